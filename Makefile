@@ -1,0 +1,35 @@
+# make test : create .venv if missing, install longctx with its test deps, run the suite on CPU.
+# make demo : same set-up, then run the main example.
+# Where python3 can already import torch (a GPU machine), .venv reuses that torch; otherwise a
+# CPU build of torch is installed (never a multi-GB CUDA download).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_CPU ?= torch==2.13.0
+TRITON_CPU ?= triton==3.6.0
+
+.PHONY: test demo setup clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	@if [ ! -x $(PY) ]; then $(PYTHON) -m venv $(VENV); fi
+	@if $(PYTHON) -c "import torch" 2>/dev/null; then \
+		echo "reusing the torch that $(PYTHON) already has"; \
+		$(PYTHON) -c "import site, sys; print('\n'.join(site.getsitepackages()))" \
+			> "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_host_site.pth"; \
+	elif ! $(PY) -c "import torch" 2>/dev/null; then \
+		$(PY) -m pip install -q --upgrade pip && \
+		$(PY) -m pip install -q "$(TORCH_CPU)" "$(TRITON_CPU)"; \
+	fi
+	$(PY) -m pip install -q -e ".[test]"
+	@touch $@
+
+test: setup
+	$(PY) -m pytest -q
+
+demo: setup
+	$(PY) launch/demo_merge.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

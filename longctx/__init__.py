@@ -1,0 +1,11 @@
+"""longctx: long-context attention for LLM inference, built on one exact (O, LSE) merge layer.
+
+Tensor layout is FlashAttention's, [batch, seq, heads, head_dim]; LSE is float32 natural log.
+"""
+
+from longctx.attention import attention
+from longctx.merge import merge_into, merge_states, merge_states_group
+from longctx.reference import reference_attention
+
+__all__ = ["attention", "merge_states", "merge_into", "merge_states_group", "reference_attention"]
+__version__ = "0.1.0"

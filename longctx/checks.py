@@ -1,0 +1,55 @@
+"""Input validation shared by the public API: every error names the argument and what was expected."""
+
+from __future__ import annotations
+
+import torch
+
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def check_head_dim(d: int, name: str = "q") -> None:
+    # Triton's tl.dot needs a power-of-two inner size of at least 16.
+    if d < 16 or d > 256 or d & (d - 1):
+        raise ValueError(f"{name}.shape[-1] (head_dim) must be a power of two in [16, 256], got {d}")
+
+
+def check_dtype(t: torch.Tensor, name: str) -> None:
+    allowed = KERNEL_DTYPES + ((torch.float64,) if t.device.type == "cpu" else ())
+    if t.dtype not in allowed:
+        names = ", ".join(str(d).removeprefix("torch.") for d in allowed)
+        raise ValueError(f"{name} must be one of {names} on {t.device.type}, got {t.dtype}")
+
+
+def check_same(ref: torch.Tensor, ref_name: str, **others: torch.Tensor) -> None:
+    """Same dtype and device as `ref` for every named tensor."""
+    for name, t in others.items():
+        if t.device != ref.device:
+            raise ValueError(f"{name} is on {t.device} but {ref_name} is on {ref.device}")
+        if t.dtype != ref.dtype:
+            raise ValueError(f"{name} has dtype {t.dtype} but {ref_name} has {ref.dtype}")
+
+
+def check_gqa(hq: int, hkv: int, k_name: str = "k") -> None:
+    if hkv == 0 or hq % hkv:
+        raise ValueError(
+            f"query heads ({hq}) must be a multiple of {k_name}'s KV heads ({hkv}) for GQA"
+        )
+
+
+def check_softmax_scale(scale: float | None) -> None:
+    if scale is not None and not (isinstance(scale, (int, float)) and 0 < scale < float("inf")):
+        raise ValueError(f"softmax_scale must be a positive finite number or None, got {scale!r}")
+
+
+def check_offset(x: int | torch.Tensor, name: str, batch: int, device: torch.device) -> None:
+    """q_start / k_start: a Python int or an integer tensor of shape [batch] on `device`."""
+    if isinstance(x, torch.Tensor):
+        if x.dtype not in (torch.int32, torch.int64) or x.shape != (batch,):
+            raise ValueError(
+                f"{name} must be an int or an int32/int64 tensor of shape [{batch}], "
+                f"got {x.dtype} {tuple(x.shape)}"
+            )
+        if x.device != device:
+            raise ValueError(f"{name} is on {x.device} but q is on {device}")
+    elif not isinstance(x, int) or isinstance(x, bool):
+        raise ValueError(f"{name} must be an int or a [batch] integer tensor, got {type(x).__name__}")

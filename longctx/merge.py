@@ -1,0 +1,182 @@
+"""The merge layer: the single place where partial attention states are combined.
+
+An attention state over a set of keys K is the pair (O, LSE):
+
+    LSE = log(sum_{j in K} exp(s_j))            natural log, float32
+    O   = sum_{j in K} exp(s_j - LSE) * v_j     the softmax-weighted output over K
+
+For disjoint key sets A and B the state over A u B is
+
+    LSE = log(exp(LSE_A) + exp(LSE_B))
+    O   = exp(LSE_A - LSE) * O_A + exp(LSE_B - LSE) * O_B
+
+This operator is exact, commutative and associative (up to rounding), so KV splits on one GPU
+(Flash-Decoding), ring-attention steps and KV shards on other GPUs all merge through it. The
+empty state (O = 0, LSE = -inf) is its identity: a part that saw no key contributes nothing, and
+merging only empty parts gives O = 0, LSE = -inf, never NaN.
+
+    >>> o = torch.randn(2, 4, 8, 64)          # [parts, batch, heads, head_dim]
+    >>> lse = torch.randn(2, 4, 8)            # [parts, batch, heads]
+    >>> o_all, lse_all = merge_states(o, lse)   # o_all [4, 8, 64], lse_all [4, 8]
+
+On CUDA tensors one Triton kernel (longctx.kernels.merge) does the N-way merge in one launch;
+on CPU the torch implementation below runs. Math is float32 (float64 when the inputs are).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from longctx.backend import use_triton_for
+
+__all__ = ["merge_states", "merge_into", "merge_states_group", "merge_states_torch", "check_lse"]
+
+
+def _math_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def check_lse(lse: torch.Tensor, name: str = "lse") -> None:
+    """Raise ValueError if `lse` holds +inf or NaN (-inf, the empty state, is allowed).
+
+    Costs one host synchronisation on CUDA, so it is skipped while a CUDA graph is captured.
+    """
+    if lse.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    bad = torch.isnan(lse) | (lse == float("inf"))
+    if bool(bad.any()):
+        raise ValueError(
+            f"{name} must be finite or -inf (the empty state); found {int(bad.sum())} "
+            "entries that are +inf or NaN"
+        )
+
+
+def _check_pair(o: torch.Tensor, lse: torch.Tensor, o_name: str, lse_name: str) -> None:
+    if o.dim() < 2 or lse.shape != o.shape[:-1]:
+        raise ValueError(
+            f"{lse_name} must have the shape of {o_name} without its last (head_dim) dim: "
+            f"{o_name} {tuple(o.shape)}, {lse_name} {tuple(lse.shape)}"
+        )
+    if not o.is_floating_point():
+        raise ValueError(f"{o_name} must be a floating-point tensor, got {o.dtype}")
+    if lse.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"{lse_name} must be float32 (natural log), got {lse.dtype}")
+    if o.device != lse.device:
+        raise ValueError(f"{o_name} is on {o.device} but {lse_name} on {lse.device}")
+
+
+def merge_states_torch(o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch implementation of the N-way merge (no input checks); see `merge_states`."""
+    dt = _math_dtype(o, lse)
+    lse = lse.to(dt)
+    m = lse.amax(dim=0)
+    # All parts empty: shift by 0 instead of -inf so that exp() gives 0 rather than NaN.
+    m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+    w = torch.exp(lse - m)  # [P, ..., H]; exactly 0 for empty parts
+    s = w.sum(dim=0)
+    lse_out = m + torch.log(s)  # log(0) = -inf for rows where every part is empty
+    w = w.unsqueeze(-1)
+    # where(): an empty part contributes nothing even if its O holds garbage.
+    o_sum = torch.where(w > 0, w * o.to(dt), torch.zeros((), dtype=dt, device=o.device)).sum(0)
+    o_out = o_sum / torch.where(s > 0, s, torch.ones_like(s)).unsqueeze(-1)
+    return o_out, lse_out
+
+
+def merge_states(
+    o: torch.Tensor, lse: torch.Tensor, *, check: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge P partial attention states over the leading dim.
+
+    Args:
+        o: [P, ..., H, D] partial outputs, any float dtype. A part whose lse is -inf is ignored
+            (its o is never read into the result).
+        lse: [P, ..., H] float32 natural-log log-sum-exp of each part (float64 is accepted and
+            then the math is float64).
+        check: raise ValueError if lse holds +inf or NaN. On CUDA this costs one host sync
+            (skipped during CUDA-graph capture); hot paths that produce lse themselves pass False.
+
+    Returns:
+        (o [..., H, D] in o's dtype, lse [..., H] float32; float64 if the inputs were).
+    """
+    _check_pair(o, lse, "o", "lse")
+    if o.shape[0] == 0:
+        raise ValueError("o and lse need at least one part in their leading dim, got 0")
+    if check:
+        check_lse(lse)
+    if use_triton_for(o):
+        from longctx.kernels.merge import merge_states_triton
+
+        return merge_states_triton(o, lse)
+    o_out, lse_out = merge_states_torch(o, lse)
+    return o_out.to(o.dtype), lse_out.to(_math_dtype(lse))
+
+
+def merge_into(
+    o_acc: torch.Tensor,
+    lse_acc: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    check: bool = True,
+) -> None:
+    """In place: (o_acc, lse_acc) <- merge((o_acc, lse_acc), (o, lse)). Used by ring steps.
+
+    Args:
+        o_acc: [..., H, D] float32 accumulator (start it at zeros).
+        lse_acc: [..., H] float32 accumulator (start it at -inf: the empty state).
+        o: [..., H, D] the new partial output, any float dtype.
+        lse: [..., H] float32 natural-log LSE of the new part.
+        check: as in `merge_states`.
+    """
+    _check_pair(o_acc, lse_acc, "o_acc", "lse_acc")
+    _check_pair(o, lse, "o", "lse")
+    if o_acc.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"o_acc must be a float32 accumulator, got {o_acc.dtype}")
+    if o.shape != o_acc.shape:
+        raise ValueError(f"o {tuple(o.shape)} must match o_acc {tuple(o_acc.shape)}")
+    if o.device != o_acc.device:
+        raise ValueError(f"o is on {o.device} but o_acc on {o_acc.device}")
+    if check:
+        check_lse(lse)
+        check_lse(lse_acc, "lse_acc")
+    if use_triton_for(o):
+        from longctx.kernels.merge import merge_into_triton
+
+        merge_into_triton(o_acc, lse_acc, o, lse)
+        return
+    o_new, lse_new = merge_states_torch(
+        torch.stack([o_acc, o.to(o_acc.dtype)]), torch.stack([lse_acc, lse.to(lse_acc.dtype)])
+    )
+    o_acc.copy_(o_new)
+    lse_acc.copy_(lse_new)
+
+
+def merge_states_group(
+    o: torch.Tensor, lse: torch.Tensor, group: "torch.distributed.ProcessGroup | None" = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge the partial states held by every rank of a process group (sequence-parallel decode).
+
+    Each rank holds the state of its own KV shard; all ranks get the merged state. Gathers
+    W x (|o| + |lse|) -- a few KB per decode step -- then runs the local N-way merge.
+
+    Args:
+        o: [..., H, D] this rank's partial output (any float dtype).
+        lse: [..., H] float32 natural-log LSE of this rank's part.
+        group: the process group (default: the world).
+
+    Returns:
+        (o [..., H, D] in o's dtype, lse [..., H] float32), identical on every rank.
+    """
+    import torch.distributed as dist
+
+    _check_pair(o, lse, "o", "lse")
+    world = dist.get_world_size(group)
+    if world == 1:
+        return o, lse
+    # Flat 1-D buffers: the one layout every backend's gather-into-tensor accepts.
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    o_all = torch.empty(world * o.numel(), dtype=o.dtype, device=o.device)
+    lse_all = torch.empty(world * lse.numel(), dtype=lse.dtype, device=lse.device)
+    gather(o_all, o.contiguous().view(-1), group=group)
+    gather(lse_all, lse.contiguous().view(-1), group=group)
+    return merge_states(o_all.view(world, *o.shape), lse_all.view(world, *lse.shape), check=False)

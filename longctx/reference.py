@@ -1,0 +1,76 @@
+"""Exact reference attention: the oracle of every test and the CPU backend of the public API.
+
+Materialises the [B, Hq, Sq, Sk] scores, so it is for CPU runs and tests, not long sequences on
+a GPU. Repeats KV heads for GQA (the kernels never do).
+"""
+
+from __future__ import annotations
+
+import torch
+from einops import rearrange, repeat
+
+
+def _per_batch(x: int | torch.Tensor, batch: int, device: torch.device) -> torch.Tensor:
+    """An int or a [B] tensor of offsets/lengths -> an int64 [B] tensor on `device`."""
+    if isinstance(x, torch.Tensor):
+        return x.to(device=device, dtype=torch.int64).reshape(batch)
+    return torch.full((batch,), int(x), dtype=torch.int64, device=device)
+
+
+def reference_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    q_start: int | torch.Tensor = 0,
+    k_start: int | torch.Tensor = 0,
+    seqlens_k: torch.Tensor | None = None,
+    compute_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact softmax attention returning the state (O, LSE).
+
+    Args:
+        q: [B, Sq, Hq, D].
+        k, v: [B, Sk, Hkv, D] with Hq % Hkv == 0 (GQA: query head h reads KV head h // (Hq/Hkv)).
+        causal: query at absolute position q_start+i sees key at k_start+j iff
+            k_start+j <= q_start+i.
+        softmax_scale: defaults to 1/sqrt(D).
+        q_start, k_start: absolute position of the first query / key, an int or a [B] tensor.
+        seqlens_k: optional [B] valid key count per sequence; keys j >= seqlens_k[b] are masked.
+        compute_dtype: math dtype; default float32, or float64 when q is float64. Pass
+            torch.float64 for an exact oracle.
+
+    Returns:
+        o [B, Sq, Hq, D] in q's dtype (compute_dtype if that is float64), and
+        lse [B, Hq, Sq] natural log, float32 (float64 if computed in float64).
+        Rows with no visible key give O = 0 and LSE = -inf.
+    """
+    B, Sq, Hq, D = q.shape
+    Sk, Hkv = k.shape[1], k.shape[2]
+    dt = compute_dtype or (torch.float64 if q.dtype == torch.float64 else torch.float32)
+    scale = softmax_scale if softmax_scale is not None else D**-0.5
+    g = Hq // Hkv
+    qf = rearrange(q.to(dt), "b s h d -> b h s d")
+    kf = repeat(k.to(dt), "b s h d -> b (h g) s d", g=g)
+    vf = repeat(v.to(dt), "b s h d -> b (h g) s d", g=g)
+    scores = torch.matmul(qf, kf.transpose(-1, -2)) * scale  # [B, Hq, Sq, Sk]
+
+    visible = torch.ones(B, Sq, Sk, dtype=torch.bool, device=q.device)
+    kpos = torch.arange(Sk, device=q.device)
+    if seqlens_k is not None:
+        visible &= kpos[None, None, :] < _per_batch(seqlens_k, B, q.device)[:, None, None]
+    if causal:
+        qabs = _per_batch(q_start, B, q.device)[:, None] + torch.arange(Sq, device=q.device)
+        kabs = _per_batch(k_start, B, q.device)[:, None] + kpos
+        visible &= kabs[:, None, :] <= qabs[:, :, None]
+    scores = scores.masked_fill(~visible[:, None], float("-inf"))
+
+    lse = torch.logsumexp(scores, dim=-1)  # -inf for rows that see nothing
+    lse_safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+    p = torch.exp(scores - lse_safe[..., None])  # exactly 0 on masked keys
+    o = rearrange(torch.matmul(p, vf), "b h s d -> b s h d")
+    out_dtype = dt if dt == torch.float64 else q.dtype
+    lse_dtype = torch.float64 if dt == torch.float64 else torch.float32
+    return o.to(out_dtype), lse.to(lse_dtype)

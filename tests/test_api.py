@@ -1,0 +1,64 @@
+"""Public attention API: agrees with the reference, and bad input raises ValueError naming the argument."""
+
+import pytest
+import torch
+
+import longctx
+from longctx.reference import reference_attention
+
+
+def test_attention_matches_reference_and_returns_lse():
+    q = torch.randn(2, 9, 6, 32)
+    k = torch.randn(2, 13, 2, 32)
+    v = torch.randn(2, 13, 2, 32)
+    o = longctx.attention(q, k, v, causal=True, q_start=4)
+    o2, lse = longctx.attention(q, k, v, causal=True, q_start=4, return_lse=True)
+    ro, rlse = reference_attention(q.double(), k.double(), v.double(), causal=True, q_start=4)
+    assert o.shape == q.shape and o.dtype == q.dtype and lse.shape == (2, 6, 9)
+    assert lse.dtype == torch.float32
+    torch.testing.assert_close(o, ro.float(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(o2, o)
+    torch.testing.assert_close(lse, rlse.float(), rtol=1e-5, atol=1e-5)
+
+
+def _qkv(Sq=4, Sk=5, Hq=4, Hkv=2, D=32, dtype=torch.float32):
+    return (torch.randn(2, Sq, Hq, D, dtype=dtype), torch.randn(2, Sk, Hkv, D, dtype=dtype),
+            torch.randn(2, Sk, Hkv, D, dtype=dtype))
+
+
+@pytest.mark.parametrize("mutate,match", [
+    (lambda q, k, v: (q[0], k, v), "q must be"),
+    (lambda q, k, v: (q, k[..., :16], v[..., :16]), "head_dim"),
+    (lambda q, k, v: (q, k.half(), v.half()), "k has dtype"),
+    (lambda q, k, v: (q, k, v[:, :3]), "k .* and v .* must have the same shape"),
+    (lambda q, k, v: (q, k[:1], v[:1]), "batch"),
+    (lambda q, k, v: (q[:, :, :3], k, v), "multiple of"),
+    (lambda q, k, v: (q.int(), k.int(), v.int()), "q must be one of"),
+    (lambda q, k, v: (q[..., :24], k[..., :24], v[..., :24]), "power of two"),
+    (lambda q, k, v: (q, k.to("meta"), v.to("meta")), "k is on meta"),
+])
+def test_attention_rejects_bad_input(mutate, match):
+    q, k, v = mutate(*_qkv())
+    with pytest.raises(ValueError, match=match):
+        longctx.attention(q, k, v)
+
+
+def test_attention_rejects_bad_options():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="softmax_scale"):
+        longctx.attention(q, k, v, softmax_scale=-1.0)
+    with pytest.raises(ValueError, match="q_start"):
+        longctx.attention(q, k, v, causal=True, q_start=torch.tensor([1, 2, 3]))
+    with pytest.raises(ValueError, match="k_start"):
+        longctx.attention(q, k, v, causal=True, k_start=1.5)
+
+
+def test_attention_per_sequence_offsets():
+    q, k, v = _qkv(Sq=3, Sk=6)
+    qs = torch.tensor([5, 0])
+    o, lse = longctx.attention(q, k, v, causal=True, q_start=qs, return_lse=True)
+    for b in range(2):
+        ob, lb = longctx.attention(q[b:b + 1], k[b:b + 1], v[b:b + 1], causal=True,
+                                   q_start=int(qs[b]), return_lse=True)
+        torch.testing.assert_close(o[b:b + 1], ob)
+        torch.testing.assert_close(lse[b:b + 1], lb)

@@ -1,0 +1,183 @@
+"""The merge layer: exactness against attention over the whole KV, invariances, empty states,
+bad LSE values, the Triton kernel (interpreter on CPU) against the torch merge, and the
+process-group merge on gloo."""
+
+import math
+import random
+
+import pytest
+import torch
+
+from longctx import merge_into, merge_states, merge_states_group
+from longctx.backend import force_triton
+from longctx.merge import merge_states_torch
+from longctx.reference import reference_attention
+from tests.dist_utils import run_distributed
+
+F64 = torch.float64
+
+
+def _random_cuts(n: int, parts: int, rng: random.Random) -> list[int]:
+    """Boundaries 0 = c0 <= c1 <= ... <= c_parts = n: parts may be empty or of size 1."""
+    inner = sorted(rng.choice([0, 1, n - 1, n] + [rng.randrange(n + 1) for _ in range(3)])
+                   for _ in range(parts - 1))
+    return [0, *inner, n]
+
+
+def _part_states(q, k, v, cuts, causal, q_start):
+    os_, lses = [], []
+    for a, b in zip(cuts[:-1], cuts[1:]):
+        o, lse = reference_attention(q, k[:, a:b], v[:, a:b], causal=causal, q_start=q_start,
+                                     k_start=a, compute_dtype=F64)
+        os_.append(o)
+        lses.append(lse.transpose(1, 2))  # [B, Sq, H]: lse indexed like o without head_dim
+    return torch.stack(os_), torch.stack(lses)
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3, 5, 9])
+@pytest.mark.parametrize("causal", [False, True])
+def test_merge_of_partitions_equals_full_attention(parts, causal):
+    rng = random.Random(parts * 10 + causal)
+    B, Sq, Hq, Hkv, D, Sk = 2, 5, 6, 2, 16, 37
+    q = torch.randn(B, Sq, Hq, D, dtype=F64)
+    k = torch.randn(B, Sk, Hkv, D, dtype=F64)
+    v = torch.randn(B, Sk, Hkv, D, dtype=F64)
+    q_start = 20  # causal: early queries see only some parts, some parts are masked out
+    o_ref, lse_ref = reference_attention(q, k, v, causal=causal, q_start=q_start, compute_dtype=F64)
+    cuts = _random_cuts(Sk, parts, rng)
+    o_p, lse_p = _part_states(q, k, v, cuts, causal, q_start)
+    o, lse = merge_states(o_p, lse_p)
+    assert o.dtype == F64 and lse.dtype == F64
+    torch.testing.assert_close(o, o_ref, rtol=0, atol=1e-12)
+    torch.testing.assert_close(lse, lse_ref.transpose(1, 2), rtol=0, atol=1e-12)
+
+
+def test_merge_is_order_and_grouping_invariant():
+    rng = random.Random(7)
+    P = 7
+    o = torch.randn(P, 3, 4, 8, dtype=F64)
+    lse = torch.randn(P, 3, 4, dtype=F64) * 5
+    lse[2] = float("-inf")  # one empty part
+    ref_o, ref_lse = merge_states(o, lse)
+    perm = list(range(P))
+    rng.shuffle(perm)
+    po, plse = merge_states(o[perm], lse[perm])
+    torch.testing.assert_close(po, ref_o, rtol=0, atol=1e-12)
+    torch.testing.assert_close(plse, ref_lse, rtol=0, atol=1e-12)
+    # ((0..2) (3..6)) grouped, then merged
+    a = merge_states(o[:3], lse[:3])
+    b = merge_states(o[3:], lse[3:])
+    go, glse = merge_states(torch.stack([a[0], b[0]]), torch.stack([a[1], b[1]]))
+    torch.testing.assert_close(go, ref_o, rtol=0, atol=1e-12)
+    torch.testing.assert_close(glse, ref_lse, rtol=0, atol=1e-12)
+    # left fold with merge_into from the empty state
+    acc_o = torch.zeros_like(o[0])
+    acc_lse = torch.full_like(lse[0], float("-inf"))
+    for i in perm:
+        merge_into(acc_o, acc_lse, o[i], lse[i])
+    torch.testing.assert_close(acc_o, ref_o, rtol=0, atol=1e-12)
+    torch.testing.assert_close(acc_lse, ref_lse, rtol=0, atol=1e-12)
+
+
+def test_empty_parts_contribute_nothing_and_all_empty_is_empty():
+    o = torch.randn(4, 2, 3, 8)
+    lse = torch.randn(4, 2, 3)
+    lse[1] = float("-inf")
+    o[1] = float("nan")  # an empty part's O is never read
+    mo, mlse = merge_states(o, lse)
+    ro, rlse = merge_states(o[[0, 2, 3]], lse[[0, 2, 3]])
+    torch.testing.assert_close(mo, ro)
+    torch.testing.assert_close(mlse, rlse)
+
+    lse_empty = torch.full((3, 2, 3), float("-inf"))
+    o_empty = torch.randn(3, 2, 3, 8)
+    eo, else_ = merge_states(o_empty, lse_empty)
+    assert torch.equal(eo, torch.zeros_like(eo))
+    assert torch.isneginf(else_).all()
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_bad_lse_raises(bad):
+    o = torch.randn(2, 3, 4, 8)
+    lse = torch.randn(2, 3, 4)
+    lse[1, 2, 0] = bad
+    with pytest.raises(ValueError, match="lse"):
+        merge_states(o, lse)
+    with pytest.raises(ValueError, match="lse"):
+        merge_into(torch.zeros(3, 4, 8), torch.zeros(3, 4), o[1], lse[1])
+
+
+def test_shape_and_dtype_errors():
+    with pytest.raises(ValueError, match="lse"):
+        merge_states(torch.randn(2, 3, 4, 8), torch.randn(2, 3, 5))
+    with pytest.raises(ValueError, match="lse"):
+        merge_states(torch.randn(2, 3, 4, 8), torch.randn(2, 3, 4).half())
+    with pytest.raises(ValueError, match="at least one part"):
+        merge_states(torch.randn(0, 3, 4, 8), torch.randn(0, 3, 4))
+    with pytest.raises(ValueError, match="o_acc"):
+        merge_into(torch.zeros(3, 4, 8).half(), torch.zeros(3, 4), torch.randn(3, 4, 8),
+                   torch.randn(3, 4))
+    with pytest.raises(ValueError, match="o "):
+        merge_into(torch.zeros(3, 4, 8), torch.zeros(3, 4), torch.randn(2, 4, 8),
+                   torch.randn(2, 4))
+
+
+def _states(P, rows, H, D, dtype, empty_frac=0.3):
+    o = torch.randn(P, rows, H, D).to(dtype)
+    lse = torch.randn(P, rows, H) * 4
+    lse[torch.rand(P, rows, H) < empty_frac] = float("-inf")
+    lse[:, 0, 0] = float("-inf")  # one row where every part is empty
+    return o, lse
+
+
+@pytest.mark.parametrize("P", [1, 3, 9, 70])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("D", [64, 128])
+def test_merge_kernel_matches_torch(P, dtype, D):
+    o, lse = _states(P, 3, 5, D, dtype)
+    ref_o, ref_lse = merge_states_torch(o, lse)
+    with force_triton():
+        ko, klse = merge_states(o, lse)
+    assert ko.dtype == dtype and klse.dtype == torch.float32
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(ko.float(), ref_o, rtol=tol, atol=tol)
+    torch.testing.assert_close(klse, ref_lse, rtol=1e-6, atol=1e-5)
+    assert torch.equal(ko[0, 0], torch.zeros_like(ko[0, 0])) and torch.isneginf(klse[0, 0])
+
+
+def test_merge_into_kernel_matches_torch():
+    o_acc, lse_acc = _states(1, 4, 3, 64, torch.float32)
+    o_acc, lse_acc = o_acc[0], lse_acc[0]
+    o, lse = _states(1, 4, 3, 64, torch.float16)
+    o, lse = o[0], lse[0]
+    ref_o, ref_lse = o_acc.clone(), lse_acc.clone()
+    merge_into(ref_o, ref_lse, o, lse)
+    with force_triton():
+        merge_into(o_acc, lse_acc, o, lse)
+    torch.testing.assert_close(o_acc, ref_o, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse_acc, ref_lse, rtol=1e-6, atol=1e-5)
+    assert torch.equal(o_acc[0, 0], torch.zeros_like(o_acc[0, 0]))
+
+
+def _group_merge_worker(rank, world, o_all, lse_all):
+    o, lse = merge_states_group(o_all[rank], lse_all[rank])
+    ref_o, ref_lse = merge_states(o_all, lse_all)
+    torch.testing.assert_close(o, ref_o, rtol=0, atol=1e-6)
+    torch.testing.assert_close(lse, ref_lse, rtol=0, atol=1e-6)
+
+
+def test_merge_states_group_gloo():
+    world = 3
+    o_all, lse_all = _states(world, 2, 4, 16, torch.float32)
+    run_distributed(_group_merge_worker, world, o_all, lse_all)
+
+
+def test_merge_matches_closed_form():
+    # Two single-key parts: the merged LSE is log(e^a + e^b), O the softmax-weighted average.
+    a, b = 0.3, -1.2
+    o = torch.tensor([[[[1.0, 0.0]]], [[[0.0, 1.0]]]], dtype=F64)
+    lse = torch.tensor([[[a]], [[b]]], dtype=F64)
+    mo, mlse = merge_states(o, lse)
+    wa = math.exp(a) / (math.exp(a) + math.exp(b))
+    assert abs(mlse.item() - math.log(math.exp(a) + math.exp(b))) < 1e-15
+    torch.testing.assert_close(mo[0, 0], torch.tensor([wa, 1 - wa], dtype=F64), rtol=0, atol=1e-15)
