@@ -1,0 +1,324 @@
+"""Benchmarks against the physical floor and the field's kernels, measured in the same run.
+
+    python launch/bench.py case=decode            # Flash-Decoding table (fp16, 16/2 heads, D=128)
+    python launch/bench.py case=prefill           # prefill TFLOPS (bf16, D=128)
+    python launch/bench.py case=decode decode.shapes='[[1,65536]]' tag=h100
+
+Needs a CUDA GPU. Every number is a median of triton.testing.do_bench, which flushes the L2
+cache before each repetition. Writes <output_dir>/<case>[-tag].json and .png; prints a table.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+
+import hydra
+import torch
+import triton
+import triton.language as tl
+from omegaconf import DictConfig, OmegaConf
+
+import longctx
+
+ROOT = Path(__file__).resolve().parents[1]
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+# ---------------------------------------------------------------- the physical floor
+@triton.jit
+def _read_kernel(X, OUT, N, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+    # Each program streams ITERS blocks and writes one number: pure HBM reads.
+    base = tl.program_id(0).to(tl.int64) * BLOCK * ITERS
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for i in range(ITERS):
+        offs = base + i * BLOCK + tl.arange(0, BLOCK)
+        acc += tl.load(X + offs, mask=offs < N, other=0.0).to(tl.float32)
+    tl.store(OUT + tl.program_id(0), tl.sum(acc, axis=0))
+
+
+def read_bandwidth(nbytes: int = 4 << 30) -> float:
+    """HBM read bandwidth (bytes/s) of a streaming read kernel over `nbytes` (>> L2)."""
+    x = torch.randn(nbytes // 2, device="cuda", dtype=torch.float16)
+    BLOCK, ITERS = 4096, 16
+    grid = triton.cdiv(x.numel(), BLOCK * ITERS)
+    out = torch.empty(grid, device="cuda", dtype=torch.float32)
+    ms = triton.testing.do_bench(lambda: _read_kernel[(grid,)](x, out, x.numel(), BLOCK=BLOCK,
+                                                               ITERS=ITERS, num_warps=8),
+                                 warmup=50, rep=300, return_mode="median")
+    del x
+    return nbytes / (ms * 1e-3)
+
+
+def bench_ms(fn: Callable[[], object], cfg: DictConfig) -> float:
+    return triton.testing.do_bench(fn, warmup=cfg.warmup_ms, rep=cfg.rep_ms, return_mode="median")
+
+
+def graph_ms(fn: Callable[[], object], cfg: DictConfig) -> float:
+    """Median time of `fn` replayed from a CUDA graph (launch overhead removed)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return bench_ms(g.replay, cfg)
+
+
+def try_peer(name: str, make: Callable[[], Callable[[], torch.Tensor]], ref: torch.Tensor,
+             cfg: DictConfig) -> tuple[float | None, str]:
+    """Time a peer after checking its output; (None, reason) if it cannot run this shape."""
+    try:
+        fn = make()
+        out = fn()
+        err = (out.float() - ref).abs().max().item()
+        if not err < 5e-2:
+            return None, f"wrong result (max err {err:.2e})"
+        return bench_ms(fn, cfg), ""
+    except Exception as e:  # a peer that does not support the shape is reported, not fatal
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+
+
+# ---------------------------------------------------------------- decode
+def decode_peers(q, k_t, v_t):
+    """Peers on their preferred layout: q [B, Hq, 1, D], k_t/v_t [B, Hkv, N, D] contiguous."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import torch.nn.functional as F
+
+    B, Hq, _, D = q.shape
+    Hkv = k_t.shape[1]
+    g = Hq // Hkv
+
+    def eager():
+        # GQA without repeating KV: [B, Hkv, g, D] @ [B, Hkv, D, N]
+        qg = q.view(B, Hkv, g, D)
+        s = torch.matmul(qg, k_t.transpose(-1, -2)).float() * D**-0.5
+        p = torch.softmax(s, dim=-1).to(q.dtype)
+        return torch.matmul(p, v_t).view(B, Hq, 1, D)
+
+    def sdpa(backend):
+        def make():
+            def fn():
+                with sdpa_kernel(backend):
+                    return F.scaled_dot_product_attention(q, k_t, v_t, enable_gqa=True)
+            return fn
+        return make
+
+    def flex():
+        from torch.nn.attention.flex_attention import flex_attention
+        compiled = torch.compile(flex_attention, dynamic=False)
+        return lambda: compiled(q, k_t, v_t, enable_gqa=True)
+
+    return {
+        "eager": lambda: eager,
+        "sdpa_flash": sdpa(SDPBackend.FLASH_ATTENTION),
+        "sdpa_cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
+        "flex": flex,
+    }
+
+
+def run_decode(cfg: DictConfig) -> dict:
+    c = cfg.decode
+    dtype = DTYPES[c.dtype]
+    bw = read_bandwidth()
+    print(f"HBM read bandwidth (streaming read kernel, 4 GiB): {bw / 1e12:.2f} TB/s")
+    rows = []
+    for B, N in c.shapes:
+        Hq, Hkv, D = c.q_heads, c.kv_heads, c.head_dim
+        q = torch.randn(B, Hq, D, device="cuda", dtype=dtype)
+        k = torch.randn(B, N, Hkv, D, device="cuda", dtype=dtype)
+        v = torch.randn(B, N, Hkv, D, device="cuda", dtype=dtype)
+        seqlens = torch.full((B,), N, device="cuda", dtype=torch.int32)
+        kv_bytes = 2 * k.numel() * k.element_size()
+        floor_us = kv_bytes / bw * 1e6
+
+        def ours():
+            return longctx.decode(q, k, v, cache_seqlens=seqlens, num_splits=c.num_splits)
+
+        ref = torch.nn.functional.scaled_dot_product_attention(  # fp32 reference [B, Hq, D]
+            q[:, :, None].float(), k.float().transpose(1, 2), v.float().transpose(1, 2),
+            enable_gqa=True)[:, :, 0]
+        err = (ours().float() - ref).abs().max().item()
+        row = {"batch": B, "seq_len": N, "kv_bytes": kv_bytes, "floor_us": floor_us,
+               "longctx_us": bench_ms(ours, cfg) * 1e3, "longctx_max_err": err}
+        if c.cuda_graph:
+            row["longctx_graph_us"] = graph_ms(ours, cfg) * 1e3
+        k_t, v_t = k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
+        peers = decode_peers(q[:, :, None], k_t, v_t)
+        for name in c.peers:
+            ms, why = try_peer(name, peers[name], ref[:, :, None], cfg)
+            row[f"{name}_us"] = None if ms is None else ms * 1e3
+            if why:
+                row[f"{name}_note"] = why
+        rows.append(row)
+        del q, k, v, k_t, v_t
+        torch.cuda.empty_cache()
+        print_row_decode(row, c.peers, header=len(rows) == 1)
+    return {"read_bandwidth_Bps": bw, "rows": rows}
+
+
+def print_row_decode(r: dict, peers, header: bool) -> None:
+    if header:
+        print(f"{'B':>4} {'N':>7} {'floor':>7} {'longctx':>8} {'graph':>7} {'%floor':>6} "
+              + " ".join(f"{p:>10}" for p in peers) + f" {'vs best':>7} {'err':>8}")
+    best_t = [r[f"{p}_us"] for p in peers if r.get(f"{p}_us")]
+    t = min(r["longctx_us"], r.get("longctx_graph_us") or math.inf)
+    best = min(best_t) if best_t else math.nan
+    peers_s = " ".join(f"{r[f'{p}_us']:>10.1f}" if r.get(f"{p}_us") else f"{'n/a':>10}"
+                       for p in peers)
+    print(f"{r['batch']:>4} {r['seq_len']:>7} {r['floor_us']:>7.1f} {r['longctx_us']:>8.1f} "
+          f"{r.get('longctx_graph_us', math.nan):>7.1f} {100 * r['floor_us'] / t:>5.0f}% "
+          f"{peers_s} {best / t:>6.2f}x {r['longctx_max_err']:>8.1e}")
+
+
+# ---------------------------------------------------------------- prefill
+def run_prefill(cfg: DictConfig) -> dict:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import torch.nn.functional as F
+
+    c = cfg.prefill
+    dtype = DTYPES[c.dtype]
+    rows = []
+    for Hq, Hkv in c.heads:
+        for N in c.seq_lens:
+            for causal in c.causal:
+                B, D = c.batch, c.head_dim
+                q = torch.randn(B, N, Hq, D, device="cuda", dtype=dtype)
+                k = torch.randn(B, N, Hkv, D, device="cuda", dtype=dtype)
+                v = torch.randn(B, N, Hkv, D, device="cuda", dtype=dtype)
+                flops = 4 * B * Hq * N * N * D * (0.5 if causal else 1.0)
+                qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+
+                def ours():
+                    return longctx.attention(q, k, v, causal=causal)
+
+                def sdpa(backend):
+                    def make():
+                        def fn():
+                            with sdpa_kernel(backend):
+                                return F.scaled_dot_product_attention(
+                                    qt, kt, vt, is_causal=causal, enable_gqa=True)
+                        return fn
+                    return make
+
+                def flex():
+                    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+                    compiled = torch.compile(flex_attention, dynamic=False)
+                    mask = None
+                    if causal:
+                        mask = create_block_mask(lambda b, h, qi, ki: ki <= qi, None, None, N, N)
+                    return lambda: compiled(qt, kt, vt, block_mask=mask, enable_gqa=True)
+
+                makers = {"sdpa_flash": sdpa(SDPBackend.FLASH_ATTENTION),
+                          "sdpa_cudnn": sdpa(SDPBackend.CUDNN_ATTENTION), "flex": flex}
+                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                    ref_t = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal,
+                                                           enable_gqa=True).float()
+                ref = ref_t.transpose(1, 2)
+                out = ours()
+                err = (out.float() - ref).abs().max().item()
+                row = {"q_heads": Hq, "kv_heads": Hkv, "seq_len": N, "causal": causal,
+                       "flops": flops, "longctx_ms": bench_ms(ours, cfg), "longctx_max_err": err}
+                for name in c.peers:
+                    ms, why = try_peer(name, makers[name], ref_t, cfg)
+                    row[f"{name}_ms"] = ms
+                    if why:
+                        row[f"{name}_note"] = why
+                rows.append(row)
+                del q, k, v, qt, kt, vt, ref, ref_t, out
+                torch.cuda.empty_cache()
+                print_row_prefill(row, c.peers, header=len(rows) == 1)
+    return {"rows": rows}
+
+
+def tflops(row: dict, key: str) -> float | None:
+    ms = row.get(key)
+    return None if not ms else row["flops"] / (ms * 1e-3) / 1e12
+
+
+def print_row_prefill(r: dict, peers, header: bool) -> None:
+    if header:
+        print(f"{'Hq/Hkv':>7} {'N':>6} {'causal':>6} {'longctx':>8} "
+              + " ".join(f"{p:>10}" for p in peers) + f" {'err':>8}   (TFLOPS)")
+    peers_s = " ".join(f"{tflops(r, f'{p}_ms'):>10.0f}" if r.get(f"{p}_ms") else f"{'n/a':>10}"
+                       for p in peers)
+    print(f"{r['q_heads']:>3}/{r['kv_heads']:<3} {r['seq_len']:>6} {str(r['causal']):>6} "
+          f"{tflops(r, 'longctx_ms'):>8.0f} {peers_s} {r['longctx_max_err']:>8.1e}")
+
+
+# ---------------------------------------------------------------- output
+def plot(case: str, result: dict, peers, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    fig, ax = plt.subplots(figsize=(8, 5))
+    if case == "decode":
+        x = [r["seq_len"] for r in rows]
+        ax.plot(x, [r["floor_us"] for r in rows], "k--", label="floor (KV bytes / read BW)")
+        ax.plot(x, [r["longctx_us"] for r in rows], "o-", label="longctx")
+        if "longctx_graph_us" in rows[0]:
+            ax.plot(x, [r["longctx_graph_us"] for r in rows], "o-", label="longctx (CUDA graph)")
+        for p in peers:
+            ax.plot(x, [r.get(f"{p}_us") or float("nan") for r in rows], ".-", label=p)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("KV length N (batch = 65536 / N, min 1)")
+        ax.set_ylabel("latency (µs)")
+    else:
+        labels = [f"{r['q_heads']}/{r['kv_heads']} {r['seq_len'] // 1024}k{' c' if r['causal'] else ''}"
+                  for r in rows]
+        xs = range(len(rows))
+        for i, name in enumerate(["longctx", *peers]):
+            ax.bar([x + 0.2 * i for x in xs], [tflops(r, f"{name}_ms") or 0 for r in rows],
+                   width=0.2, label=name)
+        ax.set_xticks([x + 0.3 for x in xs], labels, rotation=45, ha="right")
+        ax.set_ylabel("TFLOPS (causal FLOPs halved)")
+    ax.set_title(f"{case}: {torch.cuda.get_device_name()}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def environment() -> dict:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                                capture_output=True, text=True).stdout.strip() or None
+    except OSError:
+        commit = None
+    return {"device": torch.cuda.get_device_name(), "date": datetime.now(timezone.utc).isoformat(),
+            "commit": commit, "torch": torch.__version__, "triton": triton.__version__,
+            "sms": torch.cuda.get_device_properties(0).multi_processor_count}
+
+
+@hydra.main(config_path="../configs", config_name="bench", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    if not torch.cuda.is_available():
+        sys.exit("launch/bench.py needs a CUDA GPU")
+    torch.manual_seed(0)
+    env = environment()
+    print(f"{env['device']} | torch {env['torch']} | triton {env['triton']} | commit {env['commit']}")
+    result = run_decode(cfg) if cfg.case == "decode" else run_prefill(cfg)
+    case_cfg = cfg[cfg.case]
+    out = Path(cfg.output_dir)
+    if not out.is_absolute():
+        out = ROOT / out
+    out.mkdir(parents=True, exist_ok=True)
+    stem = cfg.case + (f"-{cfg.tag}" if cfg.tag else "")
+    (out / f"{stem}.json").write_text(json.dumps(
+        {"env": env, "config": OmegaConf.to_container(case_cfg), **result}, indent=1))
+    plot(cfg.case, result, case_cfg.peers, out / f"{stem}.png")
+    print(f"wrote {out / stem}.json and .png")
+
+
+if __name__ == "__main__":
+    main()

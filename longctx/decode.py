@@ -1,0 +1,144 @@
+"""Public decode attention: one query token per sequence against a (possibly paged) KV cache."""
+
+from __future__ import annotations
+
+import torch
+
+from longctx.backend import use_triton_for
+from longctx.checks import check_dtype, check_gqa, check_head_dim, check_same, check_softmax_scale
+from longctx.reference import reference_attention
+
+
+def _check_decode_args(q, k_cache, v_cache, cache_seqlens, block_table, num_splits):
+    if q.dim() == 4 and q.shape[1] != 1:
+        raise ValueError(f"q must be [B, Hq, D] or [B, 1, Hq, D]; got seq dim {q.shape[1]} != 1")
+    if q.dim() not in (3, 4):
+        raise ValueError(f"q must be [B, Hq, D] or [B, 1, Hq, D], got shape {tuple(q.shape)}")
+    check_dtype(q, "q")
+    check_same(q, "q", k_cache=k_cache, v_cache=v_cache)
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            "k_cache and v_cache must both be [B, S_max, Hkv, D] (or paged [num_pages, "
+            f"page_size, Hkv, D]), got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+    B, Hq, D = q.shape[0], q.shape[-2], q.shape[-1]
+    if k_cache.shape[-1] != D:
+        raise ValueError(f"k_cache has head_dim {k_cache.shape[-1]} but q has head_dim {D}")
+    check_head_dim(D)
+    check_gqa(Hq, k_cache.shape[2], "k_cache")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have unit stride in its last (head_dim) dim")
+    if block_table is not None:
+        if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != B:
+            raise ValueError(
+                f"block_table must be an int32 tensor [B={B}, max_pages], got "
+                f"{block_table.dtype} {tuple(block_table.shape)}"
+            )
+        if block_table.device != q.device:
+            raise ValueError(f"block_table is on {block_table.device} but q is on {q.device}")
+        page = k_cache.shape[1]
+        if page < 16 or page & (page - 1):
+            raise ValueError(f"paged k_cache: page_size (dim 1) must be a power of two >= 16, got {page}")
+    elif k_cache.shape[0] != B:
+        raise ValueError(f"k_cache has batch {k_cache.shape[0]} but q has batch {B}")
+    if cache_seqlens is not None:
+        if cache_seqlens.dtype != torch.int32 or cache_seqlens.shape != (B,):
+            raise ValueError(
+                f"cache_seqlens must be an int32 tensor of shape [{B}], got "
+                f"{cache_seqlens.dtype} {tuple(cache_seqlens.shape)}"
+            )
+        if cache_seqlens.device != q.device:
+            raise ValueError(f"cache_seqlens is on {cache_seqlens.device} but q is on {q.device}")
+    if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
+        raise ValueError(f"num_splits must be a positive int or None, got {num_splits!r}")
+
+
+def _check_decode_values(k_cache, cache_seqlens, block_table, capacity):
+    """Value checks (lengths within capacity, page ids in range); one host sync on CUDA, so they
+    are skipped while a CUDA graph is captured."""
+    if cache_seqlens is None or (cache_seqlens.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return
+    lens = cache_seqlens.long()
+    bad_len = (lens < 0) | (lens > capacity)
+    bad_page = torch.zeros((), dtype=torch.bool, device=lens.device)
+    if block_table is not None:
+        page = k_cache.shape[1]
+        used = torch.arange(block_table.shape[1], device=lens.device)[None] * page < lens[:, None]
+        ids = block_table.long()
+        bad_page = (used & ((ids < 0) | (ids >= k_cache.shape[0]))).any()
+    if bool(bad_len.any() | bad_page):  # the one sync
+        if bad_len.any():
+            b = int(bad_len.nonzero()[0, 0])
+            raise ValueError(
+                f"cache_seqlens[{b}] = {int(lens[b])} is outside the cache capacity [0, {capacity}]"
+            )
+        raise ValueError(
+            f"block_table holds page ids outside [0, {k_cache.shape[0]}) within the valid lengths"
+        )
+
+
+def gather_pages(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """Paged cache [num_pages, page_size, Hkv, D] + block_table [B, P] -> [B, P*page_size, Hkv, D].
+
+    Entries past a sequence's length may hold any id; they are clamped (and masked later).
+    """
+    ids = block_table.long().clamp(0, cache.shape[0] - 1)
+    g = cache[ids]  # [B, P, page_size, Hkv, D]
+    return g.reshape(g.shape[0], -1, *cache.shape[2:])
+
+
+def decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    *,
+    cache_seqlens: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    num_splits: int | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Decode attention (Flash-Decoding): each sequence's one query token over its KV cache.
+
+    Args:
+        q: [B, Hq, D] or [B, 1, Hq, D], float16/bfloat16/float32 (float64 on CPU).
+        k_cache, v_cache: contiguous [B, S_max, Hkv, D], or paged [num_pages, page_size, Hkv, D]
+            with `block_table`; same dtype/device as q; Hq % Hkv == 0.
+        cache_seqlens: [B] int32, valid length of each sequence (0 allowed). Default: the full
+            capacity (S_max, or max_pages * page_size when paged).
+        block_table: [B, max_pages] int32 page ids, in any order; pages may be shared.
+        softmax_scale: defaults to 1/sqrt(D).
+        num_splits: KV splits per sequence on CUDA; None chooses from the SM count, batch, heads
+            and capacity. Any value >= 1 gives the same result up to rounding.
+        return_lse: also return the LSE.
+
+    Returns:
+        o with q's shape and dtype; with return_lse also lse [B, Hq] float32, natural log.
+        A sequence of length 0 gives o = 0 and lse = -inf.
+
+    Lengths beyond the capacity and out-of-range page ids raise ValueError; that check reads
+    the values (a host sync on CUDA) and is skipped during CUDA-graph capture.
+    """
+    _check_decode_args(q, k_cache, v_cache, cache_seqlens, block_table, num_splits)
+    check_softmax_scale(softmax_scale)
+    q3 = q.reshape(q.shape[0], q.shape[-2], q.shape[-1]) if q.dim() == 4 else q
+    B, Hq, D = q3.shape
+    paged = block_table is not None
+    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    _check_decode_values(k_cache, cache_seqlens, block_table, capacity)
+    scale = softmax_scale if softmax_scale is not None else D**-0.5
+
+    if use_triton_for(q):
+        from longctx.kernels.decode import flash_decode
+
+        if cache_seqlens is None:
+            cache_seqlens = torch.full((B,), capacity, dtype=torch.int32, device=q.device)
+        o, lse = flash_decode(q3, k_cache, v_cache, cache_seqlens, block_table, scale, num_splits)
+    else:
+        k = gather_pages(k_cache, block_table) if paged else k_cache
+        v = gather_pages(v_cache, block_table) if paged else v_cache
+        o, lse = reference_attention(q3[:, None], k, v, softmax_scale=scale, seqlens_k=cache_seqlens)
+        o, lse = o[:, 0], lse[..., 0]
+    o = o.view(q.shape)
+    return (o, lse) if return_lse else o
