@@ -16,7 +16,7 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,nohea
 out=${OUT:-bench/results}
 status=0
 if [ -z "${SKIP_TESTS:-}" ]; then
-  python3 -m pytest -q -x tests/ ${TEST_ARGS:-} 2>&1 | tail -25 | tee "$out/gpu-tests.log" || status=1
+  python3 -m pytest -q tests/ ${TEST_ARGS:-} 2>&1 | tail -25 | tee "$out/gpu-tests.log" || status=1
 fi
 for args in "$@"; do
   # shellcheck disable=SC2086
