@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from longctx.checks import (
-    check_dtype, check_gqa, check_head_dim, check_offset, check_same, check_softmax_scale,
-)
+from longctx.checks import check_attention_inputs, check_offset
 from longctx.reference import reference_attention
 
 
@@ -40,20 +38,7 @@ def attention(
     reference too (it materialises the [B, Hq, Sq, Sk] scores); the Triton FlashAttention kernel
     replaces it on CUDA when it lands.
     """
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dim() != 4:
-            raise ValueError(f"{name} must be [batch, seq, heads, head_dim], got shape {tuple(t.shape)}")
-    check_dtype(q, "q")
-    check_same(q, "q", k=k, v=v)
-    if k.shape != v.shape:
-        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
-    if k.shape[0] != q.shape[0]:
-        raise ValueError(f"k has batch {k.shape[0]} but q has batch {q.shape[0]}")
-    if k.shape[-1] != q.shape[-1]:
-        raise ValueError(f"k has head_dim {k.shape[-1]} but q has head_dim {q.shape[-1]}")
-    check_head_dim(q.shape[-1])
-    check_gqa(q.shape[2], k.shape[2])
-    check_softmax_scale(softmax_scale)
+    check_attention_inputs(q, k, v, softmax_scale)
     check_offset(q_start, "q_start", q.shape[0], q.device)
     check_offset(k_start, "k_start", q.shape[0], q.device)
 
