@@ -5,9 +5,7 @@ from __future__ import annotations
 import torch
 
 from longctx.backend import use_triton_for
-from longctx.checks import (
-    check_dtype, check_gqa, check_head_dim, check_offset, check_same, check_softmax_scale,
-)
+from longctx.checks import check_attention_inputs, check_offset
 from longctx.reference import reference_attention
 
 
@@ -22,26 +20,6 @@ def _check_cu_seqlens(cu: torch.Tensor, name: str, total: int, device: torch.dev
                 f"{name} must start at 0, be non-decreasing and end at the packed length {total}; "
                 f"got {cu.tolist()}"
             )
-
-
-def _check_inputs(q, k, v, varlen: bool) -> None:
-    nd = 3 if varlen else 4
-    layout = "[total, heads, head_dim] (varlen)" if varlen else "[batch, seq, heads, head_dim]"
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dim() != nd:
-            raise ValueError(f"{name} must be {layout}, got shape {tuple(t.shape)}")
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} must have unit stride in its last (head_dim) dim")
-    check_dtype(q, "q")
-    check_same(q, "q", k=k, v=v)
-    if k.shape != v.shape:
-        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
-    if not varlen and k.shape[0] != q.shape[0]:
-        raise ValueError(f"k has batch {k.shape[0]} but q has batch {q.shape[0]}")
-    if k.shape[-1] != q.shape[-1]:
-        raise ValueError(f"k has head_dim {k.shape[-1]} but q has head_dim {q.shape[-1]}")
-    check_head_dim(q.shape[-1])
-    check_gqa(q.shape[-2], k.shape[-2])
 
 
 def attention(
@@ -86,8 +64,7 @@ def attention(
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
     if varlen and (cu_seqlens_q is None or cu_seqlens_k is None):
         raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together (varlen mode)")
-    _check_inputs(q, k, v, varlen)
-    check_softmax_scale(softmax_scale)
+    check_attention_inputs(q, k, v, softmax_scale, varlen)
     if varlen:
         _check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q.shape[0], q.device)
         _check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", k.shape[0], q.device)
