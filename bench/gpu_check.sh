@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One GPU session: install longctx over the machine's torch, run the test suite (kernels compiled
-# for the GPU, gpu-marked tests included; TEST_ARGS adds pytest arguments), then the
+# for the GPU, gpu-marked tests included; TESTS overrides the pytest arguments), then the
 # benchmark cases given as arguments (each a quoted launch/bench.py argument list).
 #   bash bench/gpu_check.sh "case=decode tag=h100" "case=prefill tag=h100"
 # Results go to $OUT (or bench/results when OUT is unset). Hydra may come as wheels in .whl/.
@@ -16,7 +16,7 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,nohea
 out=${OUT:-bench/results}
 status=0
 if [ -z "${SKIP_TESTS:-}" ]; then
-  python3 -m pytest -q tests/ ${TEST_ARGS:-} 2>&1 | tail -25 | tee "$out/gpu-tests.log" || status=1
+  python3 -m pytest -q ${TESTS:-tests/} 2>&1 | tail -25 | tee "$out/gpu-tests.log" || status=1
 fi
 for args in "$@"; do
   # shellcheck disable=SC2086
