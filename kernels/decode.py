@@ -185,20 +185,24 @@ def _decode_split_kernel(
     tl.store(lse_ptrs, lse, mask=h_mask)
 
 
-def _launch_config(head_dim: int, dtype: torch.dtype, block_h: int) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) for a cache dtype / head_dim / BLOCK_H.
+def _launch_config(head_dim: int, dtype: torch.dtype, block_h: int,
+                   keys_per_split: int) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) for a cache dtype / head_dim / BLOCK_H / split length.
 
-    Chosen from offline sm_90 compiles (ptxas register/spill reports, shared-memory
-    size), not from GPU timings. fp16/bf16 use mma.sync tensor cores with
-    cp.async-pipelined K/V tiles; fp32 ("ieee" dot, no tensor cores) needs smaller
-    key blocks and 8 warps to avoid register spills.
+    Half precision, head_dim <= 128: measured on an H200 (bench/tune_decode.py, 16/2 heads,
+    fp16): BLOCK_N 128 with 3 stages is best or within 0.5 µs once a split holds >= 1024 keys;
+    shorter splits prefer BLOCK_N 64 (2 stages at <= 256 keys). Other cases were chosen from
+    offline sm_90 compiles (no spills): fp32 ("ieee" dot on FMA units) needs small key blocks
+    and 8 warps; head_dim 256 halves the key block.
     """
     if dtype == torch.float32:
         return (32 if head_dim <= 128 and block_h * head_dim < 64 * 128 else 16), 8, 2
-    block_n = 64 if head_dim <= 128 else 32
+    if head_dim > 128:
+        return 32, 8 if block_h * head_dim >= 64 * 128 else 4, 2
     num_warps = 8 if block_h * head_dim >= 64 * 128 else 4
-    num_stages = 3 if head_dim <= 128 else 2
-    return block_n, num_warps, num_stages
+    if keys_per_split >= 1024:
+        return 128, num_warps, 3
+    return 64, num_warps, 2 if keys_per_split <= 256 else 3
 
 
 def flash_decode_partials(
@@ -248,7 +252,8 @@ def flash_decode_partials(
     group = Hq // Hkv
     block_h = min(max(16, triton.next_power_of_2(group)), _MAX_BLOCK_H)
     n_hblk = triton.cdiv(group, block_h)
-    block_n, num_warps, num_stages = config or _launch_config(D, k_cache.dtype, block_h)
+    keys = triton.cdiv(capacity, num_splits)
+    block_n, num_warps, num_stages = config or _launch_config(D, k_cache.dtype, block_h, keys)
 
     o_part = torch.empty((num_splits, B, Hq, D), device=q.device, dtype=out_dtype)
     lse_part = torch.empty((num_splits, B, Hq), device=q.device, dtype=torch.float32)
@@ -319,22 +324,20 @@ def choose_num_splits(
     *,
     min_keys_per_split: int = 256,
     max_splits: int = 128,
-    target_waves: int = 2,
 ) -> int:
-    """Pick num_splits for flash_decode_partials from static capacity only.
+    """num_splits for flash_decode from static sizes only (capacity, not current lengths), so
+    the launch grid -- and a captured CUDA graph -- stays valid as sequences grow.
 
-    Decode is bandwidth-bound; with one program per (batch, kv_head) a small batch
-    leaves most SMs idle, so the KV range is split until about ``target_waves``
-    programs per SM exist. Each split keeps at least ``min_keys_per_split`` keys
-    (below that, per-program overhead and the extra partials to merge dominate),
-    and splits are capped at ``max_splits``. Returns 1 when batch * num_kv_heads
-    already fills the GPU. Uses only the cache capacity (not current lengths) so
-    the value, and hence the launch grid, is stable across decode steps / CUDA-graph
-    replays; short sequences just leave the surplus splits empty.
+    Decode is bandwidth-bound and each (batch, kv_head) program streams its split at about
+    one SM's share of HBM bandwidth, so the target is one wave: batch * kv_heads * splits close
+    to the SM count. Measured on an H200 (132 SMs, bench/tune_decode.py): the best split
+    count was the largest power of two <= num_sms / (batch * kv_heads) at every shape of the
+    Flash-Decoding table (1 for 64 x 2 programs ... 64 for 1 x 2), within 1 µs of the best
+    elsewhere; more splits add merge work, fewer leave SMs idle. Splits keep at least
+    `min_keys_per_split` keys.
     """
     base = max(1, batch * num_kv_heads)
-    if base >= num_sms:
-        return 1
-    want = triton.cdiv(target_waves * num_sms, base)
+    want = max(1, num_sms // base)
+    want = 1 << (want.bit_length() - 1)  # largest power of two <= num_sms / base
     by_length = max(1, max_seqlen_capacity // min_keys_per_split)
     return int(max(1, min(want, by_length, max_splits)))

@@ -87,7 +87,9 @@ def check(q, k_cache, v_cache, seqlens, block_table, scale, num_splits, k_log, v
     assert lse_part.shape == (num_splits, B, Hq) and lse_part.dtype == torch.float32
 
     G = Hq // k_cache.shape[2]
-    bn, _, _ = _launch_config(D, k_cache.dtype, min(max(16, triton.next_power_of_2(G)), _MAX_BLOCK_H))
+    capacity = block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
+    bn, _, _ = _launch_config(D, k_cache.dtype, min(max(16, triton.next_power_of_2(G)), _MAX_BLOCK_H),
+                              triton.cdiv(capacity, num_splits))
     for b in range(B):
         for s, (lo, hi) in enumerate(split_ranges(int(seqlens[b]), num_splits, bn)):
             if lo >= hi:
@@ -219,8 +221,9 @@ def test_choose_num_splits():
     assert choose_num_splits(64, 8, 131072, 132) == 1
     # Single sequence, one KV head, long context: many splits, capped at 128.
     assert choose_num_splits(1, 1, 1 << 20, 132) == 128
-    # ~2 waves: 1*8 programs on 132 SMs -> 33 splits.
-    assert choose_num_splits(1, 8, 1 << 17, 132) == 33
+    # One wave: 1*8 programs on 132 SMs -> the largest power of two <= 16.5.
+    assert choose_num_splits(1, 8, 1 << 17, 132) == 16
+    assert choose_num_splits(32, 2, 2048, 132) == 2  # the Flash-Decoding table's 32 x 2048
     # Short capacity limits splits to >= 256 keys each.
     assert choose_num_splits(1, 8, 1024, 132) == 4
     assert choose_num_splits(1, 8, 100, 132) == 1
