@@ -129,6 +129,7 @@ def _attn_fwd_inner(
     EVEN_D: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     INTERPRET: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr = False,
 ):
     """Consume KV tiles ``[lo, hi)`` (``lo`` a multiple of BLOCK_N; pointers at key ``lo``).
 
@@ -148,7 +149,7 @@ def _attn_fwd_inner(
             start_n += BLOCK_N
     else:
         # scf.for with runtime bounds: software-pipelined by num_stages.
-        for start_n in tl.range(lo, hi, BLOCK_N):
+        for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
             start_n = tl.multiple_of(start_n, BLOCK_N)
             acc, l_i, m_i = _attn_fwd_step(
                 acc, l_i, m_i, q, k_tile, v_tile, k_offs, v_offs, start_n, offs_m, offs_n, d_mask,
@@ -186,6 +187,7 @@ def _attn_fwd_kernel(
     K_START_IS_TENSOR: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     INTERPRET: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr = False,
 ):
     """One program = one (batch, q head, BLOCK_M query rows) tile.
 
@@ -275,7 +277,7 @@ def _attn_fwd_kernel(
     acc, l_i, m_i, k_tile, v_tile = _attn_fwd_inner(
         acc, l_i, m_i, q, k_tile, v_tile, k_offs, v_offs, stride_ks, stride_vs,
         0, mid, offs_m, offs_n, d_mask, delta, seqlen_k, qk_scale,
-        BLOCK_N, False, CAUSAL, EVEN_D, INPUT_PRECISION, INTERPRET)
+        BLOCK_N, False, CAUSAL, EVEN_D, INPUT_PRECISION, INTERPRET, WARP_SPECIALIZE)
     # Stage 2: diagonal band (+ ragged KV tail); pointers continue from `mid`.
     acc, l_i, m_i, k_tile, v_tile = _attn_fwd_inner(
         acc, l_i, m_i, q, k_tile, v_tile, k_offs, v_offs, stride_ks, stride_vs,
