@@ -195,7 +195,8 @@ def run(cfg: DictConfig, device: torch.device, rank: int, world: int, run_dir: P
     where = f"{device} (memory_gb={cfg.memory_gb})" if cfg.memory_gb is not None else str(device)
     est = check_memory(args, tp=dims.tp, sp=dims.sp, available=available, where=where, batch=B,
                        prompt_len=P, max_seq_len=max_seq_len, dtype=dtype, device_type=device.type)
-    log.info(f"memory per device: about {est} of {available / GiB:.2f} GiB available")
+    log.info(f"memory per device: about {est.total / GiB:.2f} GiB ({est.breakdown()}) of "
+             f"{available / GiB:.2f} GiB available")
 
     t0 = time.perf_counter()
     model = build_model(args, weights=ckpt or RandomWeights(cfg.seed), device=device, dtype=dtype,

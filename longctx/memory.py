@@ -25,9 +25,9 @@ class MemoryEstimate:
     def total(self) -> int:
         return self.weights + self.kv_cache + self.activations
 
-    def __str__(self) -> str:
-        return (f"{self.total / GiB:.2f} GiB (weights {self.weights / GiB:.2f} + KV cache "
-                f"{self.kv_cache / GiB:.2f} + activations {self.activations / GiB:.2f})")
+    def breakdown(self) -> str:
+        return (f"weights {self.weights / GiB:.2f} + KV cache {self.kv_cache / GiB:.2f} + "
+                f"activations {self.activations / GiB:.2f} GiB")
 
 
 def estimate_memory(args: ModelArgs, *, tp: int, sp: int, batch: int, prompt_len: int,
@@ -97,5 +97,6 @@ def check_memory(args: ModelArgs, *, tp: int, sp: int, available: int, where: st
     else:
         hint = "No tp x sp layout up to 64 devices fits: shorten context_len or gen_len, or lower batch."
     raise ValueError(
-        f"not enough memory: this run needs about {est} per device with parallel.tp={tp} "
-        f"parallel.sp={sp}, but {where} has {available / GiB:.2f} GiB available. {hint}")
+        f"not enough memory: this run needs about {est.total / GiB:.2f} GiB per device "
+        f"({est.breakdown()}) with parallel.tp={tp} parallel.sp={sp}, but {where} has "
+        f"{available / GiB:.2f} GiB available. {hint}")

@@ -6,7 +6,8 @@ from longctx.config import ModelArgs
 from longctx.generate import generate
 from longctx.parallel.build import build_model
 from longctx.parallel.mesh import ParallelDims
-from longctx.weights import RandomWeights
+from longctx.weights import HFCheckpoint, RandomWeights
+from tests.checkpoint_utils import write_checkpoint
 from tests.dist_utils import run_distributed
 
 PROMPT, GEN, BATCH = 13, 6, 2  # 13: odd, so sp shards differ in length
@@ -17,15 +18,17 @@ def tiny(n_kv_heads: int = 2) -> ModelArgs:
                      intermediate_size=96, vocab_size=128, name="test")
 
 
-def _build(args, mesh=None):
-    return build_model(args, weights=RandomWeights(seed=3), device="cpu", dtype=torch.float32,
-                       batch=BATCH, max_seq_len=PROMPT + GEN, mesh=mesh)
+def _build(args, mesh=None, weights=None):
+    return build_model(args, weights=weights or RandomWeights(seed=3), device="cpu",
+                       dtype=torch.float32, batch=BATCH, max_seq_len=PROMPT + GEN, mesh=mesh)
 
 
-def _compare(args, mesh) -> None:
+def _compare(args, mesh, weights=None) -> None:
+    """The parallel model (weights from `weights`, default the seeded random ones) against one
+    process with the seeded random weights."""
     prompt = torch.randint(0, args.vocab_size, (BATCH, PROMPT),
                            generator=torch.Generator().manual_seed(1))
-    ref, par = _build(args), _build(args, mesh)
+    ref, par = _build(args), _build(args, mesh, weights)
     with torch.no_grad():
         pos = torch.arange(PROMPT)
         torch.testing.assert_close(par.prefill(prompt, pos), ref.prefill(prompt, pos),
@@ -42,23 +45,26 @@ def _compare(args, mesh) -> None:
     assert torch.equal(got, want), (got, want)
 
 
-def _world_of_2(rank, world):
+def _world_of_2(rank, world, mqa_checkpoint):
     torch.set_num_threads(1)  # the ranks share the machine's cores
-    # tp=2 (KV heads split, then MQA with the KV head replicated), then sp=2.
+    # tp=2: KV heads split; then MQA, its one KV head replicated, each rank reading its slices
+    # of a checkpoint that holds the same weights; then sp=2.
     tp_mesh = ParallelDims(2, 1, world).build_mesh("cpu")
     _compare(tiny(2), tp_mesh)
-    _compare(tiny(1), tp_mesh)
+    _compare(tiny(1), tp_mesh, HFCheckpoint(mqa_checkpoint))
     _compare(tiny(2), ParallelDims(1, 2, world).build_mesh("cpu"))
 
 
 def _world_of_4(rank, world):
     torch.set_num_threads(1)
     _compare(tiny(2), ParallelDims(2, 2, world).build_mesh("cpu"))
+    _compare(tiny(2), ParallelDims(4, 1, world).build_mesh("cpu"))  # 2 KV heads, each on 2 ranks
 
 
-def test_tp2_and_sp2_match_one_process():
-    run_distributed(_world_of_2, 2)
+def test_tp2_and_sp2_match_one_process(tmp_path):
+    write_checkpoint(tmp_path, tiny(1), seed=3)
+    run_distributed(_world_of_2, 2, str(tmp_path))
 
 
-def test_tp2_x_sp2_matches_one_process():
+def test_tp2_x_sp2_and_tp4_match_one_process():
     run_distributed(_world_of_4, 4)
