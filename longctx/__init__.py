@@ -4,8 +4,9 @@ Tensor layout is FlashAttention's, [batch, seq, heads, head_dim]; LSE is float32
 """
 
 from longctx.attention import attention
+from longctx.decode import decode
 from longctx.merge import merge_into, merge_states, merge_states_group
 from longctx.reference import reference_attention
 
-__all__ = ["attention", "merge_states", "merge_into", "merge_states_group", "reference_attention"]
+__all__ = ["attention", "decode", "merge_states", "merge_into", "merge_states_group", "reference_attention"]
 __version__ = "0.1.0"

@@ -4,10 +4,22 @@ from __future__ import annotations
 
 import torch
 
-from longctx.checks import (
-    check_dtype, check_gqa, check_head_dim, check_offset, check_same, check_softmax_scale,
-)
+from longctx.backend import use_triton_for
+from longctx.checks import check_attention_inputs, check_offset
 from longctx.reference import reference_attention
+
+
+def _check_cu_seqlens(cu: torch.Tensor, name: str, total: int, device: torch.device) -> None:
+    if cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 2:
+        raise ValueError(f"{name} must be a 1-D int32 tensor [batch + 1], got {cu.dtype} {tuple(cu.shape)}")
+    if cu.device != device:
+        raise ValueError(f"{name} is on {cu.device} but q is on {device}")
+    if not cu.is_cuda:  # values are free to read on CPU; on CUDA that would be a host sync
+        if int(cu[0]) != 0 or int(cu[-1]) != total or bool((cu[1:] < cu[:-1]).any()):
+            raise ValueError(
+                f"{name} must start at 0, be non-decreasing and end at the packed length {total}; "
+                f"got {cu.tolist()}"
+            )
 
 
 def attention(
@@ -19,45 +31,87 @@ def attention(
     softmax_scale: float | None = None,
     q_start: int | torch.Tensor = 0,
     k_start: int | torch.Tensor = 0,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
     return_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of q over k/v, optionally returning the state's log-sum-exp.
 
     Args:
-        q: [B, Sq, Hq, D] float16/bfloat16/float32 (float64 on CPU).
-        k, v: [B, Sk, Hkv, D], same dtype and device as q; Hq % Hkv == 0 (GQA, MQA).
+        q: [B, Sq, Hq, D] float16/bfloat16/float32 (float64 on CPU); varlen: [total_q, Hq, D].
+        k, v: [B, Sk, Hkv, D] (varlen: [total_k, Hkv, D]), same dtype and device as q;
+            Hq % Hkv == 0 (GQA, MQA: KV heads are never repeated in memory).
         causal: mask by absolute positions: query q_start+i sees key k_start+j iff
             k_start+j <= q_start+i. Sq != Sk is normal (chunked prefill, ring steps).
         softmax_scale: defaults to 1/sqrt(D).
-        q_start, k_start: absolute position of the first query / key; int or [B] int tensor.
+        q_start, k_start: absolute position of the first query / key of each sequence; an int
+            or a [B] int32/int64 tensor.
+        cu_seqlens_q, cu_seqlens_k: varlen mode: [B + 1] int32 cumulative lengths of the packed
+            sequences (both or neither).
+        max_seqlen_q, max_seqlen_k: varlen: the longest sequence (sizes the CUDA grid). If
+            omitted they are read from cu_seqlens, which costs a host sync on CUDA.
         return_lse: also return the LSE.
 
     Returns:
-        o [B, Sq, Hq, D] in q's dtype; with return_lse also lse [B, Hq, Sq] float32, natural log.
-        Rows that see no key give O = 0 and LSE = -inf.
+        o shaped like q, in q's dtype; with return_lse also the LSE, float32 natural log,
+        [B, Hq, Sq] (varlen: [Hq, total_q]). Rows that see no key give O = 0 and LSE = -inf.
 
-    Backend: CPU tensors run the exact torch reference. CUDA tensors currently run the same
-    reference too (it materialises the [B, Hq, Sq, Sk] scores); the Triton FlashAttention kernel
-    replaces it on CUDA when it lands.
+    Backend: CUDA tensors run the Triton FlashAttention kernel (longctx.kernels.prefill); CPU
+    tensors the exact torch reference.
     """
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dim() != 4:
-            raise ValueError(f"{name} must be [batch, seq, heads, head_dim], got shape {tuple(t.shape)}")
-    check_dtype(q, "q")
-    check_same(q, "q", k=k, v=v)
-    if k.shape != v.shape:
-        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
-    if k.shape[0] != q.shape[0]:
-        raise ValueError(f"k has batch {k.shape[0]} but q has batch {q.shape[0]}")
-    if k.shape[-1] != q.shape[-1]:
-        raise ValueError(f"k has head_dim {k.shape[-1]} but q has head_dim {q.shape[-1]}")
-    check_head_dim(q.shape[-1])
-    check_gqa(q.shape[2], k.shape[2])
-    check_softmax_scale(softmax_scale)
-    check_offset(q_start, "q_start", q.shape[0], q.device)
-    check_offset(k_start, "k_start", q.shape[0], q.device)
+    varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
+    if varlen and (cu_seqlens_q is None or cu_seqlens_k is None):
+        raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together (varlen mode)")
+    check_attention_inputs(q, k, v, softmax_scale, varlen)
+    if varlen:
+        _check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q.shape[0], q.device)
+        _check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", k.shape[0], q.device)
+        if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+            raise ValueError(
+                f"cu_seqlens_q has {cu_seqlens_q.numel() - 1} sequences but cu_seqlens_k has "
+                f"{cu_seqlens_k.numel() - 1}"
+            )
+        batch = cu_seqlens_q.numel() - 1
+    else:
+        batch = q.shape[0]
+    check_offset(q_start, "q_start", batch, q.device)
+    check_offset(k_start, "k_start", batch, q.device)
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
 
-    o, lse = reference_attention(
-        q, k, v, causal=causal, softmax_scale=softmax_scale, q_start=q_start, k_start=k_start
-    )
+    if use_triton_for(q):
+        from longctx.kernels.prefill import flash_attention_fwd
+
+        if varlen and max_seqlen_q is None:
+            max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+        if varlen and max_seqlen_k is None:
+            max_seqlen_k = int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max())
+        o, lse = flash_attention_fwd(
+            q, k, v, softmax_scale=scale, causal=causal, q_start=q_start, k_start=k_start,
+            cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+        )
+    elif varlen:
+        o, lse = _reference_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale,
+                                   q_start, k_start)
+    else:
+        o, lse = reference_attention(q, k, v, causal=causal, softmax_scale=scale,
+                                     q_start=q_start, k_start=k_start)
     return (o, lse) if return_lse else o
+
+
+def _reference_varlen(q, k, v, cu_q, cu_k, causal, scale, q_start, k_start):
+    """The reference, one packed sequence at a time: o [total_q, Hq, D], lse [Hq, total_q]."""
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    os_, lses = [], []
+    for b in range(len(cq) - 1):
+        qs = q_start[b] if isinstance(q_start, torch.Tensor) else q_start
+        ks = k_start[b] if isinstance(k_start, torch.Tensor) else k_start
+        o, lse = reference_attention(
+            q[None, cq[b]:cq[b + 1]], k[None, ck[b]:ck[b + 1]], v[None, ck[b]:ck[b + 1]],
+            causal=causal, softmax_scale=scale, q_start=int(qs), k_start=int(ks),
+        )
+        os_.append(o[0])
+        lses.append(lse[0])
+    return torch.cat(os_), torch.cat(lses, dim=-1)

@@ -53,3 +53,35 @@ def check_offset(x: int | torch.Tensor, name: str, batch: int, device: torch.dev
             raise ValueError(f"{name} is on {x.device} but q is on {device}")
     elif not isinstance(x, int) or isinstance(x, bool):
         raise ValueError(f"{name} must be an int or a [batch] integer tensor, got {type(x).__name__}")
+
+
+def check_attention_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    softmax_scale: float | None,
+    varlen: bool = False,
+) -> None:
+    """q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] (varlen: [total, H, D]): shapes, dtype, device,
+    strides, head_dim, GQA and scale.
+
+    Shared by `attention` and the ring, which must reject bad input before any rank communicates.
+    """
+    nd = 3 if varlen else 4
+    layout = "[total, heads, head_dim] (varlen)" if varlen else "[batch, seq, heads, head_dim]"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != nd:
+            raise ValueError(f"{name} must be {layout}, got shape {tuple(t.shape)}")
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have unit stride in its last (head_dim) dim")
+    check_dtype(q, "q")
+    check_same(q, "q", k=k, v=v)
+    if k.shape != v.shape:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
+    if not varlen and k.shape[0] != q.shape[0]:
+        raise ValueError(f"k has batch {k.shape[0]} but q has batch {q.shape[0]}")
+    if k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"k has head_dim {k.shape[-1]} but q has head_dim {q.shape[-1]}")
+    check_head_dim(q.shape[-1])
+    check_gqa(q.shape[-2], k.shape[-2])
+    check_softmax_scale(softmax_scale)

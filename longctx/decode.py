@@ -55,27 +55,26 @@ def _check_decode_args(q, k_cache, v_cache, cache_seqlens, block_table, num_spli
 
 
 def _check_decode_values(k_cache, cache_seqlens, block_table, capacity):
-    """Value checks (lengths within capacity, page ids in range); one host sync on CUDA, so they
-    are skipped while a CUDA graph is captured."""
-    if cache_seqlens is None or (cache_seqlens.is_cuda and torch.cuda.is_current_stream_capturing()):
+    """Lengths within capacity and page ids in range, for CPU tensors. On CUDA reading the
+    values would cost a host sync per call, so the kernel checks them instead and writes NaN
+    for a sequence with an invalid length or page id (loud, never silently wrong)."""
+    if cache_seqlens is None or cache_seqlens.is_cuda:
         return
     lens = cache_seqlens.long()
     bad_len = (lens < 0) | (lens > capacity)
-    bad_page = torch.zeros((), dtype=torch.bool, device=lens.device)
+    if bad_len.any():
+        b = int(bad_len.nonzero()[0, 0])
+        raise ValueError(
+            f"cache_seqlens[{b}] = {int(lens[b])} is outside the cache capacity [0, {capacity}]"
+        )
     if block_table is not None:
         page = k_cache.shape[1]
-        used = torch.arange(block_table.shape[1], device=lens.device)[None] * page < lens[:, None]
+        used = torch.arange(block_table.shape[1])[None] * page < lens[:, None]
         ids = block_table.long()
-        bad_page = (used & ((ids < 0) | (ids >= k_cache.shape[0]))).any()
-    if bool(bad_len.any() | bad_page):  # the one sync
-        if bad_len.any():
-            b = int(bad_len.nonzero()[0, 0])
+        if (used & ((ids < 0) | (ids >= k_cache.shape[0]))).any():
             raise ValueError(
-                f"cache_seqlens[{b}] = {int(lens[b])} is outside the cache capacity [0, {capacity}]"
+                f"block_table holds page ids outside [0, {k_cache.shape[0]}) within the valid lengths"
             )
-        raise ValueError(
-            f"block_table holds page ids outside [0, {k_cache.shape[0]}) within the valid lengths"
-        )
 
 
 def gather_pages(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
@@ -117,8 +116,8 @@ def decode(
         o with q's shape and dtype; with return_lse also lse [B, Hq] float32, natural log.
         A sequence of length 0 gives o = 0 and lse = -inf.
 
-    Lengths beyond the capacity and out-of-range page ids raise ValueError; that check reads
-    the values (a host sync on CUDA) and is skipped during CUDA-graph capture.
+    Lengths beyond the capacity and out-of-range page ids raise ValueError for CPU tensors; on
+    CUDA (no host sync: CUDA-graph capturable) the kernel writes NaN for such a sequence.
     """
     _check_decode_args(q, k_cache, v_cache, cache_seqlens, block_table, num_splits)
     check_softmax_scale(softmax_scale)

@@ -40,7 +40,9 @@ def reference_attention(
         q_start, k_start: absolute position of the first query / key, an int or a [B] tensor.
         seqlens_k: optional [B] valid key count per sequence; keys j >= seqlens_k[b] are masked.
         compute_dtype: math dtype; default float32, or float64 when q is float64. Pass
-            torch.float64 for an exact oracle.
+            torch.float64 for an exact oracle. A half dtype (float16/bfloat16) gives the plain
+            PyTorch implementation in that dtype: matmuls in it, softmax in float32 (the bar
+            the kernels' error is held to).
 
     Returns:
         o [B, Sq, Hq, D] in q's dtype (compute_dtype if that is float64), and
@@ -50,12 +52,13 @@ def reference_attention(
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
     dt = compute_dtype or (torch.float64 if q.dtype == torch.float64 else torch.float32)
+    sm_dt = torch.float32 if dt in (torch.float16, torch.bfloat16) else dt  # softmax dtype
     scale = softmax_scale if softmax_scale is not None else D**-0.5
     g = Hq // Hkv
     qf = rearrange(q.to(dt), "b s h d -> b h s d")
     kf = repeat(k.to(dt), "b s h d -> b (h g) s d", g=g)
     vf = repeat(v.to(dt), "b s h d -> b (h g) s d", g=g)
-    scores = torch.matmul(qf, kf.transpose(-1, -2)) * scale  # [B, Hq, Sq, Sk]
+    scores = (torch.matmul(qf, kf.transpose(-1, -2)) * scale).to(sm_dt)  # [B, Hq, Sq, Sk]
 
     visible = torch.ones(B, Sq, Sk, dtype=torch.bool, device=q.device)
     kpos = torch.arange(Sk, device=q.device)
@@ -70,7 +73,7 @@ def reference_attention(
     lse = torch.logsumexp(scores, dim=-1)  # -inf for rows that see nothing
     lse_safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
     p = torch.exp(scores - lse_safe[..., None])  # exactly 0 on masked keys
-    o = rearrange(torch.matmul(p, vf), "b h s d -> b s h d")
+    o = rearrange(torch.matmul(p.to(dt), vf), "b h s d -> b s h d")
     out_dtype = dt if dt == torch.float64 else q.dtype
     lse_dtype = torch.float64 if dt == torch.float64 else torch.float32
     return o.to(out_dtype), lse.to(lse_dtype)

@@ -62,3 +62,41 @@ def test_attention_per_sequence_offsets():
                                    q_start=int(qs[b]), return_lse=True)
         torch.testing.assert_close(o[b:b + 1], ob)
         torch.testing.assert_close(lse[b:b + 1], lb)
+
+
+def test_varlen_reference_path_matches_padded():
+    lens_q, lens_k = [3, 1, 6], [5, 1, 6]
+    Hq, Hkv, D = 4, 2, 32
+    q = torch.randn(sum(lens_q), Hq, D)
+    k = torch.randn(sum(lens_k), Hkv, D)
+    v = torch.randn(sum(lens_k), Hkv, D)
+    cu_q = torch.tensor([0, 3, 4, 10], dtype=torch.int32)
+    cu_k = torch.tensor([0, 5, 6, 12], dtype=torch.int32)
+    qs = torch.tensor([2, 0, 0])
+    o, lse = longctx.attention(q, k, v, causal=True, q_start=qs, cu_seqlens_q=cu_q,
+                               cu_seqlens_k=cu_k, return_lse=True)
+    assert o.shape == q.shape and lse.shape == (Hq, q.shape[0])
+    for b in range(3):
+        sq, sk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        ob, lb = longctx.attention(q[None, sq], k[None, sk], v[None, sk], causal=True,
+                                   q_start=int(qs[b]), return_lse=True)
+        torch.testing.assert_close(o[sq], ob[0])
+        torch.testing.assert_close(lse[:, sq], lb[0])
+
+
+def test_varlen_rejects_bad_cu_seqlens():
+    q = torch.randn(10, 4, 32)
+    k = torch.randn(12, 2, 32)
+    good = torch.tensor([0, 4, 10], dtype=torch.int32)
+    with pytest.raises(ValueError, match="together"):
+        longctx.attention(q, k, k, cu_seqlens_q=good)
+    with pytest.raises(ValueError, match="cu_seqlens_k must start at 0"):
+        longctx.attention(q, k, k, cu_seqlens_q=good, cu_seqlens_k=good)
+    with pytest.raises(ValueError, match="cu_seqlens_q must be a 1-D int32"):
+        longctx.attention(q, k, k, cu_seqlens_q=good.long(), cu_seqlens_k=good)
+    with pytest.raises(ValueError, match="sequences"):
+        longctx.attention(q, k, k, cu_seqlens_q=good,
+                          cu_seqlens_k=torch.tensor([0, 12], dtype=torch.int32))
+    with pytest.raises(ValueError, match="varlen"):
+        longctx.attention(q[None], k, k, cu_seqlens_q=good,
+                          cu_seqlens_k=torch.tensor([0, 5, 12], dtype=torch.int32))

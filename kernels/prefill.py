@@ -1,0 +1,540 @@
+"""FlashAttention-2 style prefill forward kernel (Triton) returning (O, LSE).
+
+Features
+--------
+* GQA/MQA without materialising repeated K/V: the program for query head ``h``
+  reads KV head ``h // G`` with ``G = Hq // Hkv`` (any integer group size).
+* Causal masking by ABSOLUTE positions: query row ``i`` (position ``q_start + i``)
+  sees key ``j`` (position ``k_start + j``) iff ``k_start + j <= q_start + i``.
+  ``q_start`` / ``k_start`` are python ints or per-sequence int tensors ``[B]``.
+  This is what context-parallel / ring attention needs: a KV chunk that lives
+  at another offset than the queries is masked correctly, and partial results
+  can be merged through the returned LSE.
+* Dense ``[B, S, H, D]`` and varlen (``cu_seqlens``) layouts.
+* Rows that see no key produce ``O = 0`` and ``LSE = -inf`` exactly (no NaN),
+  so they merge as "empty" partial results.
+* KV tiles that are fully masked are never visited; KV tiles that are fully
+  visible run without any mask arithmetic, only the diagonal band is masked.
+* Online softmax in fp32 using ``exp2`` with ``softmax_scale * log2(e)``
+  folded into one multiplier; the returned LSE is the natural-log LSE.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from longctx.backend import interpreter_active
+
+__all__ = ["flash_attention_fwd"]
+
+_INTERPRET = interpreter_active()
+_LOG2E = 1.4426950408889634
+
+
+# --------------------------------------------------------------------------- #
+# Triton kernels
+# --------------------------------------------------------------------------- #
+@triton.jit
+def _attn_fwd_step(
+    acc, l_i, m_i, q,
+    k_tile, v_tile, k_offs, v_offs,
+    start_n, offs_m, offs_n, d_mask,
+    delta, seqlen_k, qk_scale,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+):
+    """Fold one KV tile (keys ``start_n + offs_n``) into the running softmax state.
+
+    acc:   [BLOCK_M, BLOCK_D] fp32 un-normalised output.
+    l_i:   [BLOCK_M] fp32 running softmax denominator.
+    m_i:   [BLOCK_M] fp32 running max of ``score * scale * log2(e)`` (-inf = no key seen yet).
+    q:     [BLOCK_M, BLOCK_D] query tile (input dtype).
+    k_tile / v_tile: scalar pointers to key ``start_n`` of this sequence / KV head.
+    k_offs: [BLOCK_D, BLOCK_N] int32 element offsets of the K^T tile; v_offs: [BLOCK_N, BLOCK_D] of V.
+    offs_m: [BLOCK_M] in-sequence query rows; offs_n: [BLOCK_N] = arange(BLOCK_N).
+    delta:  q_start - k_start (only used when CAUSAL).
+
+    MASKED=False: every (row, key) pair of the tile is visible and in bounds,
+    so no mask and no -inf guard is needed (the hot path).
+    MASKED=True: diagonal band and/or ragged KV tail.
+    """
+    offs_k = start_n + offs_n
+    k_ptrs = k_tile + k_offs
+    v_ptrs = v_tile + v_offs
+    # ---- S = Q K^T ----------------------------------------------------------
+    if MASKED:
+        kv_in = offs_k < seqlen_k
+        if EVEN_D:
+            k = tl.load(k_ptrs, mask=kv_in[None, :], other=0.0)
+        else:
+            k = tl.load(k_ptrs, mask=kv_in[None, :] & d_mask[:, None], other=0.0)
+    else:
+        if EVEN_D:
+            k = tl.load(k_ptrs)
+        else:
+            k = tl.load(k_ptrs, mask=d_mask[:, None], other=0.0)
+    qk = tl.dot(q, k, input_precision=INPUT_PRECISION)
+
+    # ---- online softmax (base 2) ---------------------------------------------
+    if MASKED:
+        keep = kv_in[None, :]
+        if CAUSAL:
+            # absolute-position rule: k_start + j <= q_start + i  <=>  j <= i + delta
+            keep = keep & (offs_k[None, :] <= (offs_m[:, None] + delta))
+        qk = tl.where(keep, qk * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        # Rows with no visible key so far keep m = -inf; subtract 0 instead so
+        # that exp2(-inf - (-inf)) = NaN never happens (p and alpha become 0).
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(qk - m_sub[:, None])
+        alpha = tl.exp2(m_i - m_sub)
+    else:
+        # Fully visible tile: every row gets a finite max here.
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        p = tl.exp2(qk * qk_scale - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+
+    # ---- O += P V ---------------------------------------------------------------
+    if MASKED:
+        if EVEN_D:
+            v = tl.load(v_ptrs, mask=kv_in[:, None], other=0.0)
+        else:
+            v = tl.load(v_ptrs, mask=kv_in[:, None] & d_mask[None, :], other=0.0)
+    else:
+        if EVEN_D:
+            v = tl.load(v_ptrs)
+        else:
+            v = tl.load(v_ptrs, mask=d_mask[None, :], other=0.0)
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=INPUT_PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _attn_fwd_inner(
+    acc, l_i, m_i, q,
+    k_tile, v_tile, k_offs, v_offs,
+    stride_ks, stride_vs,
+    lo, hi,
+    offs_m, offs_n, d_mask,
+    delta, seqlen_k, qk_scale,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """Consume KV tiles ``[lo, hi)`` (``lo`` a multiple of BLOCK_N; pointers at key ``lo``).
+
+    Returns the updated (acc, l_i, m_i) and the pointers advanced to key
+    ``lo + ceil((hi - lo) / BLOCK_N) * BLOCK_N``.
+    """
+    if INTERPRET:
+        # The interpreter (numpy >= 2.4) cannot turn tensor-valued range bounds
+        # into python ints; a while loop only needs bool(). Never compiled.
+        start_n = lo
+        while start_n < hi:
+            acc, l_i, m_i = _attn_fwd_step(
+                acc, l_i, m_i, q, k_tile, v_tile, k_offs, v_offs, start_n, offs_m, offs_n, d_mask,
+                delta, seqlen_k, qk_scale, MASKED, CAUSAL, EVEN_D, INPUT_PRECISION)
+            k_tile += BLOCK_N * stride_ks
+            v_tile += BLOCK_N * stride_vs
+            start_n += BLOCK_N
+    else:
+        # scf.for with runtime bounds: software-pipelined by num_stages.
+        for start_n in tl.range(lo, hi, BLOCK_N):
+            start_n = tl.multiple_of(start_n, BLOCK_N)
+            acc, l_i, m_i = _attn_fwd_step(
+                acc, l_i, m_i, q, k_tile, v_tile, k_offs, v_offs, start_n, offs_m, offs_n, d_mask,
+                delta, seqlen_k, qk_scale, MASKED, CAUSAL, EVEN_D, INPUT_PRECISION)
+            # Scalar pointer increments (not start_n * stride) keep offsets 64-bit
+            # safe, and only one scalar per operand is loop-carried (low register use).
+            k_tile += BLOCK_N * stride_ks
+            v_tile += BLOCK_N * stride_vs
+    return acc, l_i, m_i, k_tile, v_tile
+
+
+# Offsets and lengths change from call to call (ring steps, chunked prefill): do not
+# specialise on their values (==1, %16) to avoid recompiles; they only feed loop bounds.
+@triton.jit(do_not_specialize=["Q_START", "K_START", "seqlen_q_dense", "seqlen_k_dense", "Q_BUCKET", "K_BUCKET"])
+def _attn_fwd_kernel(
+    Q, K, V, O, LSE,
+    Q_START, K_START,          # python ints or int32/int64 pointers [B]
+    CU_SEQLENS_Q, CU_SEQLENS_K,  # int32 [B+1] (varlen only; dummy otherwise)
+    stride_qb, stride_qs, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_ob, stride_os, stride_oh, stride_od,
+    stride_lb, stride_lh,
+    seqlen_q_dense, seqlen_k_dense,
+    num_heads_q, group_size,
+    qk_scale,                  # softmax_scale * log2(e)
+    Q_BUCKET, K_BUCKET,        # autotune key only (length buckets); unused in the body
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+    Q_START_IS_TENSOR: tl.constexpr,
+    K_START_IS_TENSOR: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """One program = one (batch, q head, BLOCK_M query rows) tile.
+
+    grid = (B * Hq, cdiv(max_seqlen_q, BLOCK_M)); axis 1 is walked backwards
+    so that, for causal attention, the most expensive (last) query tiles of
+    every head are scheduled first (better tail balance).
+    """
+    off_bh = tl.program_id(0)
+    off_b = off_bh // num_heads_q
+    off_h = off_bh % num_heads_q
+    off_kvh = off_h // group_size
+    start_m = tl.num_programs(1) - 1 - tl.program_id(1)
+
+    if IS_VARLEN:
+        q_seq0 = tl.load(CU_SEQLENS_Q + off_b)
+        seqlen_q = tl.load(CU_SEQLENS_Q + off_b + 1) - q_seq0
+        k_seq0 = tl.load(CU_SEQLENS_K + off_b)
+        seqlen_k = tl.load(CU_SEQLENS_K + off_b + 1) - k_seq0
+        k_seq0 = k_seq0.to(tl.int64)
+    else:
+        q_seq0 = 0
+        seqlen_q = seqlen_q_dense
+        k_seq0 = 0
+        seqlen_k = seqlen_k_dense
+
+    m0 = start_m * BLOCK_M
+    if m0 >= seqlen_q:
+        return  # varlen: this sequence is shorter than max_seqlen_q
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)  # in-sequence row index
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
+    row_in = offs_m < seqlen_q
+
+    # ---- 64-bit base offsets (B*S*H*D may exceed 2^31) --------------------
+    b64 = off_b.to(tl.int64)
+    q_base = (b64 * stride_qb + (q_seq0 + m0).to(tl.int64) * stride_qs
+              + off_h.to(tl.int64) * stride_qh)
+    o_base = (b64 * stride_ob + (q_seq0 + m0).to(tl.int64) * stride_os
+              + off_h.to(tl.int64) * stride_oh)
+    k_base = b64 * stride_kb + k_seq0 * stride_ks + off_kvh.to(tl.int64) * stride_kh
+    v_base = b64 * stride_vb + k_seq0 * stride_vs + off_kvh.to(tl.int64) * stride_vh
+
+    rows = tl.arange(0, BLOCK_M)
+    q_ptrs = Q + q_base + rows[:, None] * stride_qs + offs_d[None, :] * stride_qd
+    k_tile = K + k_base
+    v_tile = V + v_base
+    k_offs = offs_n[None, :] * stride_ks + offs_d[:, None] * stride_kd  # K^T tile [BLOCK_D, BLOCK_N]
+    v_offs = offs_n[:, None] * stride_vs + offs_d[None, :] * stride_vd  # V tile [BLOCK_N, BLOCK_D]
+
+    if EVEN_D:
+        q = tl.load(q_ptrs, mask=row_in[:, None], other=0.0)
+    else:
+        q = tl.load(q_ptrs, mask=row_in[:, None] & d_mask[None, :], other=0.0)
+
+    # ---- KV loop bounds from absolute positions ---------------------------
+    rows_end = tl.minimum(m0 + BLOCK_M, seqlen_q)  # exclusive, real rows only
+    if CAUSAL:
+        if Q_START_IS_TENSOR:
+            q_start = tl.load(Q_START + off_b).to(tl.int64)
+        else:
+            q_start = Q_START.to(tl.int64)
+        if K_START_IS_TENSOR:
+            k_start = tl.load(K_START + off_b).to(tl.int64)
+        else:
+            k_start = K_START.to(tl.int64)
+        # Clamping to +-2^30 keeps the visibility pattern (sequences are shorter than
+        # 2^30) and lets all bound arithmetic below stay in int32.
+        delta = tl.minimum(tl.maximum(q_start - k_start, -(1 << 30)), 1 << 30).to(tl.int32)
+        # last visible key of the tile's last real row: j = (rows_end - 1) + delta
+        hi = tl.minimum(tl.maximum(rows_end + delta, 0), seqlen_k)
+        # keys j <= m0 + delta are visible to every row of the tile
+        full = tl.minimum(tl.maximum(m0 + 1 + delta, 0), seqlen_k)
+    else:
+        delta = 0
+        hi = seqlen_k
+        full = seqlen_k
+    mid = (full // BLOCK_N) * BLOCK_N  # end of the unmasked, tile-aligned prefix
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    # Stage 1: fully visible, in-bounds tiles -> no masking at all.
+    acc, l_i, m_i, k_tile, v_tile = _attn_fwd_inner(
+        acc, l_i, m_i, q, k_tile, v_tile, k_offs, v_offs, stride_ks, stride_vs,
+        0, mid, offs_m, offs_n, d_mask, delta, seqlen_k, qk_scale,
+        BLOCK_N, False, CAUSAL, EVEN_D, INPUT_PRECISION, INTERPRET)
+    # Stage 2: diagonal band (+ ragged KV tail); pointers continue from `mid`.
+    acc, l_i, m_i, k_tile, v_tile = _attn_fwd_inner(
+        acc, l_i, m_i, q, k_tile, v_tile, k_offs, v_offs, stride_ks, stride_vs,
+        mid, hi, offs_m, offs_n, d_mask, delta, seqlen_k, qk_scale,
+        BLOCK_N, True, CAUSAL, EVEN_D, INPUT_PRECISION, INTERPRET)
+
+    # ---- epilogue: normalise; empty rows -> O = 0, LSE = -inf ---------------
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    acc = acc / l_safe[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
+
+    o_ptrs = O + o_base + rows[:, None] * stride_os + offs_d[None, :] * stride_od
+    if EVEN_D:
+        tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=row_in[:, None])
+    else:
+        tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=row_in[:, None] & d_mask[None, :])
+    l_base = b64 * stride_lb + off_h.to(tl.int64) * stride_lh + (q_seq0 + m0).to(tl.int64)
+    tl.store(LSE + l_base + rows, lse, mask=row_in)
+
+
+# --------------------------------------------------------------------------- #
+# Autotuning
+# --------------------------------------------------------------------------- #
+# (BLOCK_M, BLOCK_N, num_warps, num_stages). Checked by AOT-compiling for sm_90 on CPU
+# (compile_check.py): fp16/bf16 ones use async wgmma + cp.async pipelining; no spills
+# except small ones for (128, 128, 8, 3) @ D=128 (8 B), (128, 64, 4, 3) @ D=128 (120 B),
+# (64, 64, 4, 3) @ D=256 (152 B) and (64, 32, 4, 2) @ D=256 (8 B).
+_HALF_CONFIGS = [
+    (128, 64, 8, 3),   # default pick for D=64/128
+    (128, 128, 8, 3),  # D=64 (at D=128: 224 KiB smem, borderline)
+    (128, 128, 8, 2),  # D=128
+    (128, 64, 4, 3),   # D=64
+    (128, 64, 8, 2),   # D=256
+    (128, 32, 8, 2),   # D=256
+    (64, 64, 4, 3),    # short queries / many small varlen sequences
+    (64, 32, 4, 2),    # short queries, D=256
+]
+# fp32 with input_precision="ieee" runs on FMA units (no tensor cores) and is very
+# register hungry: only small tiles avoid spilling. fp32 is a correctness path.
+_FP32_CONFIGS = [
+    (64, 32, 8, 2),
+    (32, 32, 4, 2),
+    (32, 16, 4, 2),
+]
+
+
+def _configs() -> list[triton.Config]:
+    """H100-oriented config set; exactly one config under the interpreter."""
+    if _INTERPRET:
+        return [triton.Config({"BLOCK_M": 64, "BLOCK_N": 32}, num_warps=4, num_stages=1)]
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st)
+            for bm, bn, w, st in dict.fromkeys(_HALF_CONFIGS + _FP32_CONFIGS)]
+
+
+_SMEM_LIMIT = 227 * 1024  # H100 opt-in shared memory per block
+
+
+def _cfg_tuple(c: triton.Config) -> tuple[int, int, int, int]:
+    return c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages
+
+
+def _prune_configs(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+    """Keep the configs meant for this dtype that fit in shared memory.
+
+    Shared memory = Q tile + num_stages buffers of the K and V tiles (matches what
+    triton 3.6 allocates on sm_90 for this kernel). For very short queries only
+    BLOCK_M <= 64 is kept. Anything that still fails to compile is scored +inf by
+    the autotuner rather than raising.
+    """
+    if len(configs) <= 1:
+        return configs
+    args = {**named_args, **kwargs}
+    elt = args["Q"].element_size()
+    bd = args["BLOCK_D"]
+    short_q = args["Q_BUCKET"] <= 64
+    wanted = set(_FP32_CONFIGS if elt == 4 else _HALF_CONFIGS)
+    keep = []
+    for c in configs:
+        bm, bn, w, st = _cfg_tuple(c)
+        if (bm, bn, w, st) not in wanted:
+            continue
+        if elt * (bm * bd + st * 2 * bn * bd) > _SMEM_LIMIT:
+            continue
+        if short_q and bm > 64:
+            continue
+        keep.append(c)
+    if not keep:  # always leave something runnable: the smallest footprint
+        keep = [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] * c.num_stages)]
+    return keep
+
+
+_attn_fwd_tuned = triton.autotune(
+    configs=_configs(),
+    key=["HEAD_DIM", "CAUSAL", "IS_VARLEN", "Q_BUCKET", "K_BUCKET"],
+    prune_configs_by={"early_config_prune": _prune_configs},
+)(_attn_fwd_kernel)
+
+
+def _bucket(n: int) -> int:
+    """Coarse length bucket for the autotune key (few keys -> few autotuning runs)."""
+    for b in (64, 256, 1024, 4096):
+        if n <= b:
+            return b
+    return 16384
+
+
+# --------------------------------------------------------------------------- #
+# Python entry point
+# --------------------------------------------------------------------------- #
+def _offset_arg(x: int | torch.Tensor, batch: int, device: torch.device, name: str
+                ) -> tuple[int | torch.Tensor, bool]:
+    """Normalise a start offset: python int stays a scalar, tensors must be [B] ints on device."""
+    if isinstance(x, torch.Tensor):
+        if x.dim() == 0:  # broadcast on device (no host sync)
+            x = x.reshape(1).expand(batch)
+        if x.shape != (batch,):
+            raise ValueError(f"{name} must have shape [{batch}], got {tuple(x.shape)}")
+        if x.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"{name} must be int32/int64, got {x.dtype}")
+        if x.device != device:
+            raise ValueError(f"{name} must be on {device}, got {x.device}")
+        return x.contiguous(), True
+    return int(x), False
+
+
+def flash_attention_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    softmax_scale: float,
+    causal: bool,
+    q_start: int | torch.Tensor,
+    k_start: int | torch.Tensor,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    _config: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention forward returning (O, LSE).
+
+    Dense:  q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D]
+            -> o [B, Sq, Hq, D] (q.dtype), lse [B, Hq, Sq] float32 (natural log).
+    Varlen: q [total_q, Hq, D], k/v [total_k, Hkv, D], cu_seqlens_q/k int32 [B+1]
+            on q.device, max_seqlen_q/k python ints
+            -> o [total_q, Hq, D] (q.dtype), lse [Hq, total_q] float32.
+
+    q_start / k_start: absolute position of query row 0 / key 0 of every
+    sequence; python ints or int32/int64 tensors [B] on q.device. With
+    ``causal`` row i sees key j iff k_start + j <= q_start + i; otherwise all
+    keys are visible (offsets ignored). Rows that see no key get O = 0 and
+    LSE = -inf. Hq must be a multiple of Hkv (GQA: head h reads KV head
+    h // (Hq // Hkv)). fp16/bf16/fp32 inputs, fp32 accumulation.
+
+    ``_config`` (testing only): {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}
+    bypasses the autotuner.
+    """
+    is_varlen = cu_seqlens_q is not None
+    if is_varlen != (cu_seqlens_k is not None):
+        raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"unsupported dtype {q.dtype}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError("q, k, v must share a dtype")
+    if v.shape != k.shape:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} shapes differ")
+
+    if is_varlen:
+        if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+            raise ValueError("varlen expects q [total_q, Hq, D], k/v [total_k, Hkv, D]")
+        if cu_seqlens_q.dtype != torch.int32 or cu_seqlens_k.dtype != torch.int32:
+            raise TypeError("cu_seqlens must be int32")
+        if cu_seqlens_q.device != q.device or cu_seqlens_k.device != q.device:
+            raise ValueError("cu_seqlens must be on q.device")
+        batch = cu_seqlens_q.numel() - 1
+        if cu_seqlens_k.numel() - 1 != batch:
+            raise ValueError("cu_seqlens_q / cu_seqlens_k batch mismatch")
+        total_q, hq, d = q.shape
+        _, hkv, dk = k.shape
+        if max_seqlen_q is None:  # forces a host sync; callers should pass it
+            max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item()) if batch > 0 else 0
+        if max_seqlen_k is None:
+            max_seqlen_k = int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max().item()) if batch > 0 else 0
+        # Treat as B=1 "dense" strides with the batch stride 0; sequence starts come from cu_seqlens.
+        sq_b, sq_s, sq_h, sq_d = 0, q.stride(0), q.stride(1), q.stride(2)
+        sk_b, sk_s, sk_h, sk_d = 0, k.stride(0), k.stride(1), k.stride(2)
+        sv_b, sv_s, sv_h, sv_d = 0, v.stride(0), v.stride(1), v.stride(2)
+        o = torch.empty((total_q, hq, d), dtype=q.dtype, device=q.device)
+        lse = torch.empty((hq, total_q), dtype=torch.float32, device=q.device)
+        so_b, so_s, so_h, so_d = 0, o.stride(0), o.stride(1), o.stride(2)
+        sl_b, sl_h = 0, lse.stride(0)
+        seqlen_q_dense, seqlen_k_dense = 0, 0
+        cu_q, cu_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
+    else:
+        if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+            raise ValueError("dense expects q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D]")
+        batch, sq, hq, d = q.shape
+        bk, sk, hkv, dk = k.shape
+        if bk != batch:
+            raise ValueError("batch mismatch between q and k/v")
+        max_seqlen_q, max_seqlen_k = sq, sk
+        sq_b, sq_s, sq_h, sq_d = q.stride()
+        sk_b, sk_s, sk_h, sk_d = k.stride()
+        sv_b, sv_s, sv_h, sv_d = v.stride()
+        o = torch.empty((batch, sq, hq, d), dtype=q.dtype, device=q.device)
+        lse = torch.empty((batch, hq, sq), dtype=torch.float32, device=q.device)
+        so_b, so_s, so_h, so_d = o.stride()
+        sl_b, sl_h = lse.stride(0), lse.stride(1)
+        seqlen_q_dense, seqlen_k_dense = sq, sk
+        cu_q = cu_k = q  # dummies, never dereferenced (IS_VARLEN=False)
+    if dk != d:
+        raise ValueError(f"head_dim mismatch: q {d}, k/v {dk}")
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(f"Hq={hq} must be a multiple of Hkv={hkv}")
+    if d > 256:
+        raise ValueError("head_dim > 256 not supported")
+
+    if batch == 0 or o.numel() == 0 or max_seqlen_q == 0:
+        lse.fill_(float("-inf"))
+        o.zero_()
+        return o, lse
+
+    qs_arg, qs_is_t = _offset_arg(q_start, batch, q.device, "q_start")
+    ks_arg, ks_is_t = _offset_arg(k_start, batch, q.device, "k_start")
+
+    block_d = max(triton.next_power_of_2(d), 16)
+    # fp32: true fp32 FMA dots (~1e-6 error) instead of TF32; ignored for fp16/bf16.
+    input_precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    args = (
+        q, k, v, o, lse, qs_arg, ks_arg, cu_q, cu_k,
+        sq_b, sq_s, sq_h, sq_d,
+        sk_b, sk_s, sk_h, sk_d,
+        sv_b, sv_s, sv_h, sv_d,
+        so_b, so_s, so_h, so_d,
+        sl_b, sl_h,
+        seqlen_q_dense, seqlen_k_dense,
+        hq, hq // hkv,
+        float(softmax_scale) * _LOG2E,
+        _bucket(max_seqlen_q), _bucket(max_seqlen_k),
+    )
+    meta = dict(
+        HEAD_DIM=d, BLOCK_D=block_d, CAUSAL=bool(causal), IS_VARLEN=is_varlen,
+        Q_START_IS_TENSOR=qs_is_t, K_START_IS_TENSOR=ks_is_t,
+        INPUT_PRECISION=input_precision, INTERPRET=_INTERPRET,
+    )
+
+    min_bm = _config["BLOCK_M"] if _config is not None else (32 if q.dtype == torch.float32 else 64)
+    if triton.cdiv(max_seqlen_q, min_bm) > 65535:  # CUDA grid axis-1 limit
+        raise ValueError(f"max_seqlen_q={max_seqlen_q} too long (> {65535 * min_bm} rows per sequence)")
+
+    def grid(m: dict) -> tuple[int, int]:
+        return (batch * hq, triton.cdiv(max_seqlen_q, m["BLOCK_M"]))
+
+    if _config is not None:
+        cfg = dict(_config)
+        nw, ns = cfg.pop("num_warps", 4), cfg.pop("num_stages", 1)
+        _attn_fwd_kernel[grid](*args, **meta, **cfg, num_warps=nw, num_stages=ns)
+    else:
+        _attn_fwd_tuned[grid](*args, **meta)
+    return o, lse

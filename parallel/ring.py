@@ -1,0 +1,329 @@
+"""Ring attention for prefill: queries stay, K/V shards travel the ring, partial states merge.
+
+The sequence is sharded over the W ranks of a process group in one of two layouts:
+
+    contiguous: W chunks; rank r holds chunk r.
+    zigzag:     2W chunks; rank r holds chunks r and 2W-1-r (in that order). Under a causal mask
+                every rank then has the same amount of unmasked work at every ring step.
+
+At step t rank r holds the K/V shard of rank (r - t) mod W. It computes the partial state
+(O, LSE) of its queries against that shard with `longctx.attention` at the chunks' absolute
+positions, skips chunk pairs that the causal mask hides entirely, and folds the result into a
+float32 accumulator with `merge_into`. Meanwhile the shard is already on its way to rank r+1 and
+the next one is arriving from rank r-1 (double buffering), so communication overlaps compute.
+
+    >>> q_loc = shard_sequence(q, group, "zigzag")          # [B, S/W, Hq, D]
+    >>> o_loc = ring_attention(q_loc, k_loc, v_loc, group=group, causal=True)
+    >>> o = unshard_sequence(o_loc, group, "zigzag")        # [B, S, Hq, D]
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+
+from longctx.attention import attention
+from longctx.checks import check_attention_inputs
+from longctx.merge import merge_into
+from longctx.parallel.process_group import all_gather_ints, global_rank, rank_and_world
+
+__all__ = ["LAYOUTS", "ring_attention", "shard_sequence", "unshard_sequence", "shard_chunks"]
+
+LAYOUTS = ("zigzag", "contiguous")
+_CHECKED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _check_layout(layout: str) -> None:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(map(repr, LAYOUTS))}, got {layout!r}")
+
+
+def _chunks_per_rank(layout: str) -> int:
+    return 2 if layout == "zigzag" else 1
+
+
+def shard_chunks(seq_len: int, world: int, rank: int, layout: str) -> list[tuple[int, int]]:
+    """The chunks of a `seq_len` sequence that `rank` of `world` holds: (absolute start, length)
+    pairs in local order. With one rank both layouts are the whole sequence, of any length.
+
+    Raises ValueError for an unknown layout or a length the layout cannot split evenly.
+    """
+    _check_layout(layout)
+    if world == 1:
+        return [(0, seq_len)]
+    n = world * _chunks_per_rank(layout)
+    if seq_len % n:
+        raise ValueError(
+            f"sequence length {seq_len} must be divisible by {n} for layout {layout!r} on "
+            f"{world} ranks ({_chunks_per_rank(layout)} equal chunk(s) per rank)"
+        )
+    c = seq_len // n
+    ids = [rank, n - 1 - rank] if layout == "zigzag" else [rank]
+    return [(i * c, c) for i in ids]
+
+
+def _check_local_len(s_local: int, world: int, layout: str, name: str) -> None:
+    _check_layout(layout)
+    if world > 1 and s_local % _chunks_per_rank(layout):
+        raise ValueError(
+            f"{name} is {s_local}, but layout {layout!r} needs a local length divisible by "
+            f"{_chunks_per_rank(layout)} (its chunks per rank)"
+        )
+
+
+def shard_sequence(
+    x: torch.Tensor, group: dist.ProcessGroup | None = None, layout: str = "zigzag", dim: int = 1
+) -> torch.Tensor:
+    """This rank's shard of a full sequence `x` (the same tensor on every rank).
+
+    Args:
+        x: any tensor whose dim `dim` is the sequence, e.g. q/k/v [B, S, H, D] or lse [B, H, S]
+            (dim=-1); S divisible by W (contiguous) or 2W (zigzag).
+        group: the process group (None: the world).
+        layout: "zigzag" or "contiguous".
+
+    Returns:
+        a new contiguous tensor, x's shape with S/W along `dim`, same dtype and device.
+    """
+    rank, world = rank_and_world(group)
+    chunks = shard_chunks(x.shape[dim], world, rank, layout)
+    return torch.cat([x.narrow(dim, start, length) for start, length in chunks], dim=dim)
+
+
+def unshard_sequence(
+    x: torch.Tensor, group: dist.ProcessGroup | None = None, layout: str = "zigzag", dim: int = 1
+) -> torch.Tensor:
+    """The full sequence from every rank's shard (all-gather); the inverse of `shard_sequence`.
+
+    Args:
+        x: this rank's shard, sequence along `dim` (S/W entries); every rank's shard must have the
+            same shape and dtype (checked: one small extra collective).
+        group, layout: as in `shard_sequence`.
+
+    Returns:
+        the full tensor, S along `dim`, identical on every rank; `x` itself with one rank.
+    """
+    rank, world = rank_and_world(group)
+    dim = dim % x.dim()
+    _check_local_len(x.shape[dim], world, layout, f"x.shape[{dim}] (the local sequence length)")
+    if world == 1:
+        return x
+    _check_same_across_ranks(
+        {"x.shape": list(x.shape), "x.dtype": [_dtype_id(x.dtype)]}, group, x.device
+    )
+    parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(world)]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    seq_len = x.shape[dim] * world
+    pieces = []  # (absolute start, slice)
+    for r, part in enumerate(parts):
+        offset = 0
+        for start, length in shard_chunks(seq_len, world, r, layout):
+            pieces.append((start, part.narrow(dim, offset, length)))
+            offset += length
+    return torch.cat([p for _, p in sorted(pieces, key=lambda sp: sp[0])], dim=dim)
+
+
+def _dtype_id(dtype: torch.dtype) -> int:
+    return _CHECKED_DTYPES.index(dtype) if dtype in _CHECKED_DTYPES else len(_CHECKED_DTYPES)
+
+
+def _check_same_across_ranks(
+    fields: dict[str, list[int]], group: dist.ProcessGroup | None, device: torch.device
+) -> None:
+    """ValueError on every rank if any rank's `fields` differ (instead of a P2P hang later)."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return  # the gather syncs the host; a captured graph replays checked shapes
+    names = list(fields)
+    flat = [x for n in names for x in fields[n]]
+    rows = all_gather_ints(flat, group, device)
+    if all(row == rows[0] for row in rows):
+        return
+    per_rank = []
+    for r, row in enumerate(rows):
+        it = iter(row)
+        per_rank.append(f"rank {r}: " + ", ".join(
+            f"{n}={[next(it) for _ in fields[n]]}" for n in names))
+    raise ValueError("shards are inconsistent across ranks: " + "; ".join(per_rank))
+
+
+# ------------------------------------------------------------------------- the ring
+@dataclass(frozen=True)
+class _Block:
+    """One attention call of a ring step: local query rows [q0, q1) vs local key rows [k0, k1)."""
+
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    masked: bool  # partly hidden by the causal mask; False: every key is visible to every query
+    q_start: int  # absolute position of query row q0
+    k_start: int  # absolute position of key row k0
+
+
+def _step_blocks(
+    q_chunks: list[tuple[int, int]], k_chunks: list[tuple[int, int]], causal: bool
+) -> list[_Block]:
+    """The attention calls that cover every visible (query chunk, key chunk) pair of one step."""
+    blocks = []
+    q_off = 0
+    for qa, ql in q_chunks:
+        k_off = 0
+        for ka, kl in k_chunks:
+            if not causal or ka + kl - 1 <= qa:  # last key at or before the first query
+                blocks.append(_Block(q_off, q_off + ql, k_off, k_off + kl, False, qa, ka))
+            elif ka <= qa + ql - 1:  # else the first key is after the last query: skip
+                blocks.append(_Block(q_off, q_off + ql, k_off, k_off + kl, True, qa, ka))
+            k_off += kl
+        q_off += ql
+    return _coalesce(blocks)
+
+
+def _coalesce(blocks: list[_Block]) -> list[_Block]:
+    """Join unmasked blocks that are adjacent in local rows into one call: without a mask,
+    absolute positions do not matter. E.g. a zigzag step where both query chunks see the whole
+    first key chunk becomes one call over both query chunks."""
+    blocks = list(blocks)
+    joined = True
+    while joined:
+        joined = False
+        for i, a in enumerate(blocks):
+            for j, b in enumerate(blocks):
+                if i == j or a.masked or b.masked:
+                    continue
+                if (a.q0, a.q1) == (b.q0, b.q1) and a.k1 == b.k0:
+                    new = replace(a, k1=b.k1)
+                elif (a.k0, a.k1) == (b.k0, b.k1) and a.q1 == b.q0:
+                    new = replace(a, q1=b.q1)
+                else:
+                    continue
+                blocks = [x for n, x in enumerate(blocks) if n not in (i, j)] + [new]
+                joined = True
+                break
+            if joined:
+                break
+    return sorted(blocks, key=lambda b: (b.q0, b.k0))
+
+
+class _RingP2P:
+    """Sends K/V to the next rank and receives the previous rank's, one step ahead of compute.
+
+    On CUDA the P2P ops are issued from a side stream, ordered after the work already queued on
+    the compute stream, and the compute stream waits for them only when it needs the data, so
+    the transfer of step t+1 overlaps the attention of step t. No host synchronisation.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None, rank: int, world: int,
+                 device: torch.device):
+        self.group = group
+        self.next = global_rank(group, (rank + 1) % world)
+        self.prev = global_rank(group, (rank - 1) % world)
+        self.device = device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def start(self, send: tuple[torch.Tensor, ...], recv: tuple[torch.Tensor, ...]) -> list:
+        ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in send]
+        ops += [dist.P2POp(dist.irecv, t, self.prev, self.group) for t in recv]
+        if self.stream is None:
+            return dist.batch_isend_irecv(ops)
+        # The compute stream has queued the writes of `send` and the last reads of `recv`.
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            works = dist.batch_isend_irecv(ops)
+        for t in (*send, *recv):
+            # The allocator must not recycle these while the side stream may still use them.
+            t.record_stream(self.stream)
+        return works
+
+    def finish(self, works: list) -> None:
+        """Make the received shard visible to the compute stream (on CPU: block until done)."""
+        ctx = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+        with ctx:
+            for w in works:
+                w.wait()  # CUDA: the current (side) stream waits for the NCCL stream, host does not
+        if self.stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    causal: bool = True,
+    layout: str = "zigzag",
+    softmax_scale: float | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention of this rank's query shard over the whole sequence, K/V shards passed round a ring.
+
+    Args:
+        q: [B, S_local, Hq, D] this rank's query shard in `layout` (S_local = S / W).
+        k, v: [B, S_local, Hkv, D] this rank's K/V shard (Hq % Hkv == 0; only the Hkv heads
+            travel). Read, never written: afterwards they are this rank's part of the KV cache.
+        group: the process group whose ranks hold the shards (None: the world). Every rank must
+            call with the same shapes, dtype, `causal` and `layout` (checked once per call: one
+            small collective, a host synchronisation on CUDA).
+        causal: mask by absolute position in the full sequence.
+        layout: "zigzag" (S_local even; balanced causal work) or "contiguous".
+        softmax_scale: defaults to 1/sqrt(D).
+        return_lse: also return the LSE.
+
+    Returns:
+        o [B, S_local, Hq, D] in q's dtype, this rank's output shard in `layout`; with return_lse
+        also lse [B, Hq, S_local] float32 (float64 for float64 inputs), natural log. With one
+        rank (or no process group initialised) this is `longctx.attention`.
+    """
+    check_attention_inputs(q, k, v, softmax_scale)
+    _check_layout(layout)
+    if k.shape[1] != q.shape[1]:
+        raise ValueError(f"q and k must hold the same local sequence length: q.shape[1] is "
+                         f"{q.shape[1]}, k.shape[1] is {k.shape[1]}")
+    rank, world = rank_and_world(group)
+    if world == 1:
+        return attention(q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse)
+    B, s_local, hq, d = q.shape
+    _check_local_len(s_local, world, layout, "q.shape[1] (the local sequence length)")
+    _check_same_across_ranks(
+        {"q.shape": list(q.shape), "k.shape": list(k.shape), "dtype": [_dtype_id(q.dtype)],
+         "causal": [int(causal)], "layout": [LAYOUTS.index(layout)]},
+        group, q.device,
+    )
+
+    seq_len = s_local * world
+    q_chunks = shard_chunks(seq_len, world, rank, layout)
+    # Step t visits the shard of rank (rank - t) mod W. Planned up front: the loop only launches.
+    plans = [_step_blocks(q_chunks, shard_chunks(seq_len, world, (rank - t) % world, layout), causal)
+             for t in range(world)]
+    acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    o_acc = torch.zeros(B, s_local, hq, d, dtype=acc_dtype, device=q.device)
+    lse_acc = torch.full((B, s_local, hq), float("-inf"), dtype=acc_dtype, device=q.device)
+
+    p2p = _RingP2P(group, rank, world, q.device)
+    kv = (k.contiguous(), v.contiguous())  # step 0 reads this rank's own shard in place
+    bufs = [tuple(torch.empty_like(t) for t in kv) for _ in range(min(2, world - 1))]
+    for t, blocks in enumerate(plans):
+        # Post the transfer for step t+1 before computing step t. Buffer t % 2 was last read by
+        # step t-1's compute and last sent during step t-1, both ordered before this receive.
+        works = p2p.start(kv, bufs[t % 2]) if t + 1 < world else None
+        kt, vt = kv
+        for b in blocks:
+            o, lse = attention(
+                q[:, b.q0:b.q1], kt[:, b.k0:b.k1], vt[:, b.k0:b.k1], causal=b.masked,
+                softmax_scale=softmax_scale, q_start=b.q_start, k_start=b.k_start,
+                return_lse=True,
+            )
+            # merge_into indexes lse like o without head_dim: [B, S, H].
+            merge_into(o_acc[:, b.q0:b.q1], lse_acc[:, b.q0:b.q1], o, lse.transpose(1, 2),
+                       check=False)
+        if works is not None:
+            p2p.finish(works)
+            kv = bufs[t % 2]
+
+    o = o_acc.to(q.dtype)
+    if not return_lse:
+        return o
+    return o, lse_acc.transpose(1, 2).contiguous()

@@ -1,0 +1,345 @@
+"""The Triton FlashAttention forward (longctx.kernels.prefill) against the float64 reference.
+
+On CPU the kernel runs under the Triton interpreter (bf16 is skipped there: the interpreter's
+bf16 arithmetic is not faithful); on a GPU the same tests run compiled, bf16 included. Shapes
+are tiny on purpose.
+"""
+
+from __future__ import annotations
+
+
+import pytest
+import torch
+
+import longctx
+from longctx.backend import force_triton
+from longctx.kernels.prefill import flash_attention_fwd
+from longctx.reference import reference_attention
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+FP32_TOL = 2e-5
+HALF = [torch.float16] if DEV == "cpu" else [torch.float16, torch.bfloat16]
+
+
+def ref_seq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
+            q_start: int, k_start: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 reference for one sequence: q [Sq, Hq, D], k/v [Sk, Hkv, D] ->
+    o [Sq, Hq, D], lse [Hq, Sq] (float64, on the CPU)."""
+    o, lse = reference_attention(q[None].cpu(), k[None].cpu(), v[None].cpu(), causal=causal,
+                                 softmax_scale=scale, q_start=q_start, k_start=k_start,
+                                 compute_dtype=torch.float64)
+    return o[0], lse[0]
+
+
+def torch_half_seq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
+                   q_start: int, k_start: int) -> torch.Tensor:
+    """The plain PyTorch implementation in the inputs' half dtype (the 2x error bar)."""
+    o, _ = reference_attention(q[None].cpu(), k[None].cpu(), v[None].cpu(), causal=causal,
+                               softmax_scale=scale, q_start=q_start, k_start=k_start,
+                               compute_dtype=q.dtype)
+    return o[0]
+
+
+def check(o: torch.Tensor, lse: torch.Tensor, o_ref: torch.Tensor, lse_ref: torch.Tensor,
+          dtype: torch.dtype, o_half: torch.Tensor | None = None) -> None:
+    """Compare one sequence: o [Sq, Hq, D], lse [Hq, Sq] against the f64 reference.
+
+    fp32: absolute error < FP32_TOL. fp16/bf16: O error at most 2x that of the plain
+    torch implementation in the same dtype (``o_half``) plus a tiny slack.
+    """
+    o, lse = o.cpu(), lse.cpu()
+    assert not torch.isnan(o).any() and not torch.isnan(lse).any()
+    empty = torch.isneginf(lse_ref)  # [Hq, Sq]
+    assert torch.equal(torch.isneginf(lse), empty), "empty-row pattern differs"
+    empty_rows = empty.transpose(0, 1)  # [Sq, Hq]
+    assert (o[empty_rows] == 0).all(), "rows with no visible key must be exactly 0"
+    valid = ~empty
+    if not valid.any():
+        return
+    o_err = (o.double() - o_ref)[~empty_rows].abs().max().item()
+    lse_err = (lse.double()[valid] - lse_ref[valid]).abs().max().item()
+    if dtype == torch.float32:
+        assert o_err < FP32_TOL, o_err
+        assert lse_err < FP32_TOL, lse_err
+    else:
+        assert o_half is not None
+        t_err = (o_half.double() - o_ref)[~empty_rows].abs().max().item()
+        assert o_err <= 2 * t_err + 1e-4, (o_err, t_err)
+        assert lse_err < 1e-4, lse_err
+
+
+def rand(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(*shape, dtype=torch.float32).to(device=DEV, dtype=dtype)
+
+
+def ints(x: list[int], dtype: torch.dtype) -> torch.Tensor:
+    return torch.tensor(x, dtype=dtype, device=DEV)
+
+
+def run_dense(b: int, sq: int, sk: int, hq: int, hkv: int, d: int, dtype: torch.dtype, causal: bool,
+              q_start, k_start, config: dict | None = None) -> None:
+    """Random dense problem; q_start/k_start are ints or lists (-> per-sequence tensors)."""
+    q = rand(b, sq, hq, d, dtype=dtype)
+    k = rand(b, sk, hkv, d, dtype=dtype)
+    v = rand(b, sk, hkv, d, dtype=dtype)
+    scale = d ** -0.5
+    qs_arg = ints(q_start, torch.int32) if isinstance(q_start, list) else q_start
+    ks_arg = ints(k_start, torch.int64) if isinstance(k_start, list) else k_start
+    o, lse = flash_attention_fwd(q, k, v, softmax_scale=scale, causal=causal,
+                                 q_start=qs_arg, k_start=ks_arg, _config=config)
+    assert o.shape == (b, sq, hq, d) and o.dtype == dtype
+    assert lse.shape == (b, hq, sq) and lse.dtype == torch.float32
+    for i in range(b):
+        qs = q_start[i] if isinstance(q_start, list) else q_start
+        ks = k_start[i] if isinstance(k_start, list) else k_start
+        o_ref, lse_ref = ref_seq(q[i], k[i], v[i], scale, causal, qs, ks)
+        oh = torch_half_seq(q[i], k[i], v[i], scale, causal, qs, ks) if dtype != torch.float32 else None
+        check(o[i], lse[i], o_ref, lse_ref, dtype, oh)
+
+
+# --------------------------------------------------------------------------- #
+# Dense
+# --------------------------------------------------------------------------- #
+@pytest.mark.parametrize("s", [1, 97, 129, 200, 257])
+@pytest.mark.parametrize("causal", [True, False])
+def test_square_fp32(s: int, causal: bool) -> None:
+    torch.manual_seed(s)
+    run_dense(1, s, s, 2, 1, 64, torch.float32, causal, 0, 0)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("s,causal", [(1, True), (129, True), (200, False), (257, True)])
+def test_square_half(s: int, causal: bool, dtype: torch.dtype) -> None:
+    torch.manual_seed(s + 1)
+    run_dense(1, s, s, 2, 2, 64, dtype, causal, 0, 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32] + HALF)
+@pytest.mark.parametrize("s,causal", [(97, True), (200, False)])
+def test_head_dim_128(s: int, causal: bool, dtype: torch.dtype) -> None:
+    torch.manual_seed(7)
+    run_dense(1, s, s, 2, 1, 128, dtype, causal, 0, 0)
+
+
+def test_head_dim_256_and_odd() -> None:
+    torch.manual_seed(8)
+    run_dense(1, 40, 70, 1, 1, 256, torch.float32, True, 30, 0)
+    run_dense(1, 40, 70, 2, 1, 80, torch.float32, True, 30, 0)  # non power-of-two D (masked d)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32] + HALF)
+@pytest.mark.parametrize(
+    "sq,sk,q_start,k_start",
+    [
+        (50, 130, 80, 0),      # q_start > k_start: chunk of queries after a cached prefix
+        (70, 90, 10, 40),      # q_start < k_start: first 30 rows see nothing
+        (33, 64, 1000, 500),   # KV chunk entirely in the past: all visible
+        (40, 50, 0, 100),      # KV chunk entirely in the future: every row empty
+        (129, 65, 17, 81),     # ragged, diagonal crossing tiles
+    ],
+)
+def test_offsets_causal(sq: int, sk: int, q_start: int, k_start: int, dtype: torch.dtype) -> None:
+    torch.manual_seed(sq * 7 + sk)
+    run_dense(1, sq, sk, 2, 1, 64, dtype, True, q_start, k_start)
+
+
+def test_noncausal_rectangular() -> None:
+    torch.manual_seed(3)
+    run_dense(2, 45, 150, 2, 1, 64, torch.float32, False, 123, 7)  # offsets ignored
+    run_dense(1, 150, 45, 2, 1, 64, torch.float32, False, 0, 0)
+
+
+def test_tensor_offsets() -> None:
+    torch.manual_seed(4)
+    # per-sequence q_start (int32) and k_start (int64); includes an all-empty sequence
+    run_dense(3, 60, 100, 2, 1, 64, torch.float32, True, [40, 0, 5], [0, 20, 300])
+    # tensor + python int mix
+    run_dense(2, 33, 70, 2, 1, 64, torch.float32, True, [0, 50], 10)
+    # 0-dim tensor offset broadcasts over the batch
+    q, k, v = rand(2, 20, 2, 64), rand(2, 30, 1, 64), rand(2, 30, 1, 64)
+    o, lse = flash_attention_fwd(q, k, v, softmax_scale=0.125, causal=True,
+                                 q_start=torch.tensor(15, device=DEV), k_start=0)
+    for i in range(2):
+        check(o[i], lse[i], *ref_seq(q[i], k[i], v[i], 0.125, True, 15, 0), torch.float32)
+
+
+@pytest.mark.parametrize("group", [1, 2, 3, 8])
+def test_gqa_groups(group: int) -> None:
+    torch.manual_seed(group)
+    hkv = 2 if group <= 3 else 1
+    run_dense(1, 70, 70, group * hkv, hkv, 64, torch.float32, True, 0, 0)
+
+
+@pytest.mark.parametrize("config", [
+    {"BLOCK_M": 16, "BLOCK_N": 16},   # many unmasked + many diagonal tiles
+    {"BLOCK_M": 32, "BLOCK_N": 64},   # BLOCK_N > BLOCK_M
+    {"BLOCK_M": 64, "BLOCK_N": 16},   # diagonal band spans several KV tiles
+])
+def test_block_configs(config: dict) -> None:
+    torch.manual_seed(11)
+    run_dense(1, 100, 140, 2, 1, 64, torch.float32, True, 60, 13, config=config)
+    run_dense(1, 45, 45, 2, 1, 64, torch.float32, False, 0, 0, config=config)
+
+
+def test_noncontiguous_inputs() -> None:
+    """q/k/v as strided views of a packed qkv tensor."""
+    torch.manual_seed(5)
+    b, s, hq, hkv, d = 2, 50, 4, 2, 64
+    qkv = rand(b, s, hq + 2 * hkv, d)
+    q, k, v = qkv[:, :, :hq], qkv[:, :, hq:hq + hkv], qkv[:, :, hq + hkv:]
+    o, lse = flash_attention_fwd(q, k, v, softmax_scale=0.1, causal=True, q_start=0, k_start=0)
+    for i in range(b):
+        o_ref, lse_ref = ref_seq(q[i], k[i], v[i], 0.1, True, 0, 0)
+        check(o[i], lse[i], o_ref, lse_ref, torch.float32)
+
+
+def test_empty_kv() -> None:
+    q = rand(1, 5, 2, 64)
+    k = rand(1, 0, 1, 64)
+    o, lse = flash_attention_fwd(q, k, k, softmax_scale=0.125, causal=False, q_start=0, k_start=0)
+    assert (o == 0).all() and torch.isneginf(lse).all()
+    assert lse.shape == (1, 2, 5)
+
+
+# --------------------------------------------------------------------------- #
+# Varlen
+# --------------------------------------------------------------------------- #
+def run_varlen(lens_q: list[int], lens_k: list[int], hq: int, hkv: int, d: int, dtype: torch.dtype,
+               causal: bool, q_start, k_start) -> None:
+    cu_q = ints([0] + torch.tensor(lens_q).cumsum(0).tolist(), torch.int32)
+    cu_k = ints([0] + torch.tensor(lens_k).cumsum(0).tolist(), torch.int32)
+    q = rand(int(cu_q[-1]), hq, d, dtype=dtype)
+    k = rand(int(cu_k[-1]), hkv, d, dtype=dtype)
+    v = rand(int(cu_k[-1]), hkv, d, dtype=dtype)
+    scale = d ** -0.5
+    qs_arg = ints(q_start, torch.int32) if isinstance(q_start, list) else q_start
+    ks_arg = ints(k_start, torch.int32) if isinstance(k_start, list) else k_start
+    o, lse = flash_attention_fwd(q, k, v, softmax_scale=scale, causal=causal, q_start=qs_arg,
+                                 k_start=ks_arg, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                 max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k))
+    assert o.shape == q.shape and lse.shape == (hq, q.shape[0])
+    for i in range(len(lens_q)):
+        a, e = int(cu_q[i]), int(cu_q[i + 1])
+        ka, ke = int(cu_k[i]), int(cu_k[i + 1])
+        qs = q_start[i] if isinstance(q_start, list) else q_start
+        ks = k_start[i] if isinstance(k_start, list) else k_start
+        o_ref, lse_ref = ref_seq(q[a:e], k[ka:ke], v[ka:ke], scale, causal, qs, ks)
+        oh = torch_half_seq(q[a:e], k[ka:ke], v[ka:ke], scale, causal, qs, ks) \
+            if dtype != torch.float32 else None
+        check(o[a:e], lse[:, a:e], o_ref, lse_ref, dtype, oh)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32] + HALF)
+@pytest.mark.parametrize("causal", [True, False])
+def test_varlen_self(causal: bool, dtype: torch.dtype) -> None:
+    """Self-attention prefill: equal q/k lengths including 1."""
+    torch.manual_seed(21)
+    lens = [1, 37, 130, 64, 1]
+    run_varlen(lens, lens, 4, 2, 64, dtype, causal, 0, 0)
+
+
+def test_varlen_offsets() -> None:
+    """Chunked prefill: new queries at the end of a cached context, per-sequence offsets."""
+    torch.manual_seed(22)
+    lens_q = [1, 20, 70]
+    lens_k = [50, 20, 100]
+    # seq0: decode-like single query at the end; seq1: q before k (some empty rows);
+    # seq2: queries are the last 70 of the 100 keys.
+    run_varlen(lens_q, lens_k, 3, 1, 64, torch.float32, True, [49, 0, 30], [0, 10, 0])
+
+
+# --------------------------------------------------------------------------- #
+# Merge consistency (what ring / context-parallel attention relies on)
+# --------------------------------------------------------------------------- #
+def merge_f64(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge partial (o [B, Sq, Hq, D], lse [B, Hq, Sq]) results with the merge layer, in float64."""
+    os_ = torch.stack([p[0].cpu().double() for p in parts])                  # [C, B, Sq, Hq, D]
+    ls = torch.stack([p[1].cpu().double().transpose(1, 2) for p in parts])   # [C, B, Sq, Hq]
+    o, lse = longctx.merge_states(os_, ls)
+    return o, lse.transpose(1, 2)
+
+
+@pytest.mark.parametrize("n_chunks", [2, 3, 5])
+@pytest.mark.parametrize("causal", [True, False])
+def test_merge_chunks(n_chunks: int, causal: bool) -> None:
+    torch.manual_seed(30 + n_chunks)
+    b, sq, sk, hq, hkv, d = 1, 60, 150, 2, 1, 64
+    q_start, k_start = 100, 0  # queries = positions 100..159, keys 0..149 (last 10 rows see all)
+    q, k, v = rand(b, sq, hq, d), rand(b, sk, hkv, d), rand(b, sk, hkv, d)
+    kw = dict(softmax_scale=d ** -0.5, causal=causal, q_start=q_start)
+    full_o, full_lse = (t.cpu() for t in flash_attention_fwd(q, k, v, k_start=k_start, **kw))
+    bounds = torch.linspace(0, sk, n_chunks + 1).round().long().tolist()
+    parts = [flash_attention_fwd(q, k[:, a:e], v[:, a:e], k_start=k_start + a, **kw)
+             for a, e in zip(bounds[:-1], bounds[1:])]
+    o, lse = merge_f64(parts)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(full_lse))
+    fin = ~torch.isneginf(lse)
+    assert (o - full_o.double()).abs().max() < FP32_TOL
+    assert (lse[fin] - full_lse.double()[fin]).abs().max() < FP32_TOL
+    o_ref, lse_ref = ref_seq(q[0], k[0], v[0], d ** -0.5, causal, q_start, k_start)
+    assert (o[0] - o_ref).abs().max() < FP32_TOL
+
+
+def test_merge_with_empty_rows() -> None:
+    """Queries before part of the KV: future chunks are entirely empty (-inf) and must merge away."""
+    torch.manual_seed(40)
+    b, sq, sk, hq, d = 1, 64, 128, 2, 64
+    q, k, v = rand(b, sq, hq, d), rand(b, sk, 1, d), rand(b, sk, 1, d)
+    kw = dict(softmax_scale=0.125, causal=True, q_start=20)
+    full_o, full_lse = (t.cpu() for t in flash_attention_fwd(q, k, v, k_start=30, **kw))
+    parts = [flash_attention_fwd(q, k[:, a:a + 32], v[:, a:a + 32], k_start=30 + a, **kw)
+             for a in range(0, sk, 32)]
+    o, lse = merge_f64(parts)
+    empty = torch.isneginf(full_lse)
+    assert empty.any() and torch.equal(torch.isneginf(lse), empty)
+    assert (o - full_o.double()).abs().max() < FP32_TOL
+    assert (lse[~empty] - full_lse.double()[~empty]).abs().max() < FP32_TOL
+
+
+@pytest.mark.parametrize("sq,sk,q_start,k_start", [(40, 128, 0, 0), (16, 128, 20, 0), (30, 120, 100, 64)])
+def test_fully_masked_tiles_skipped(sq: int, sk: int, q_start: int, k_start: int) -> None:
+    """K/V tiles that no row of the tile can see are never loaded: poison them with NaN."""
+    torch.manual_seed(50)
+    bn = 16
+    q = rand(1, sq, 2, 64)
+    k, v = rand(1, sk, 1, 64), rand(1, sk, 1, 64)
+    last_visible = q_start + sq - 1 - k_start
+    first_dead = (last_visible // bn + 1) * bn
+    assert first_dead < sk
+    k[:, first_dead:] = float("nan")
+    v[:, first_dead:] = float("nan")
+    o, lse = flash_attention_fwd(q, k, v, softmax_scale=0.125, causal=True, q_start=q_start,
+                                 k_start=k_start, _config={"BLOCK_M": 16, "BLOCK_N": bn})
+    o_ref, lse_ref = ref_seq(q[0], k[0, :first_dead], v[0, :first_dead], 0.125, True, q_start, k_start)
+    check(o[0], lse[0], o_ref, lse_ref, torch.float32)
+
+
+def test_large_positions() -> None:
+    """Absolute positions beyond int32 (python ints and int64 tensors)."""
+    torch.manual_seed(60)
+    base = 3 * 2**31
+    run_dense(1, 40, 70, 2, 1, 64, torch.float32, True, base + 30, base)
+    q = rand(2, 40, 2, 64)
+    k, v = rand(2, 70, 1, 64), rand(2, 70, 1, 64)
+    qs = ints([base + 30, 5], torch.int64)
+    ks = ints([base, base], torch.int64)  # seq 1: keys far in the future -> empty
+    o, lse = flash_attention_fwd(q, k, v, softmax_scale=0.125, causal=True, q_start=qs, k_start=ks)
+    for i in range(2):
+        o_ref, lse_ref = ref_seq(q[i], k[i], v[i], 0.125, True, int(qs[i]), int(ks[i]))
+        check(o[i], lse[i], o_ref, lse_ref, torch.float32)
+    assert torch.isneginf(lse[1]).all()
+
+
+def test_public_attention_dispatches_to_the_kernel() -> None:
+    """longctx.attention on the Triton path (forced on CPU) agrees with the reference path."""
+    torch.manual_seed(60)
+    q, k, v = rand(2, 33, 6, 64), rand(2, 47, 2, 64), rand(2, 47, 2, 64)
+    with force_triton(DEV == "cpu"):
+        o, lse = longctx.attention(q, k, v, causal=True, q_start=20, return_lse=True)
+    ro, rlse = reference_attention(q.cpu(), k.cpu(), v.cpu(), causal=True, q_start=20,
+                                   compute_dtype=torch.float64)
+    assert (o.cpu().double() - ro).abs().max() < FP32_TOL
+    fin = ~torch.isneginf(rlse)
+    assert torch.equal(torch.isneginf(lse.cpu()), ~fin)
+    assert (lse.cpu().double()[fin] - rlse[fin]).abs().max() < FP32_TOL
