@@ -37,24 +37,10 @@ from longctx.memory import GiB, check_memory  # noqa: E402
 from longctx.model import Transformer  # noqa: E402
 from longctx.parallel.build import build_model  # noqa: E402
 from longctx.parallel.mesh import ParallelDims  # noqa: E402
+from longctx.parallel.process_group import init_from_env, rank_and_world  # noqa: E402
 from longctx.weights import HFCheckpoint, RandomWeights  # noqa: E402
 
 log = logging.getLogger("longctx")
-
-
-def init_distributed() -> tuple[torch.device, int, int]:
-    """(device, rank, world size) from torchrun's environment; joins the process group when the
-    world has more than one rank (NCCL on CUDA, gloo on CPU)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return device, rank, world
 
 
 def make_run_dir(output: str, rank: int, world: int) -> Path:
@@ -231,7 +217,8 @@ def main(cfg: DictConfig) -> None:
     args = ckpt.args() if ckpt else ModelArgs.from_config(cfg.model)
     dims.check_model(args)
 
-    device, rank, world = init_distributed()
+    device = init_from_env()  # nccl on cuda:LOCAL_RANK, or gloo on the CPU
+    rank, world = rank_and_world()
     run_dir = make_run_dir(cfg.output, rank, world)
     setup_logging(run_dir, rank)
     try:

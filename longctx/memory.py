@@ -34,9 +34,9 @@ def estimate_memory(args: ModelArgs, *, tp: int, sp: int, batch: int, prompt_len
                     max_seq_len: int, dtype: torch.dtype, device_type: str) -> MemoryEstimate:
     """Memory per device of a tp x sp decode run with caches for max_seq_len positions.
 
-    Activations cover the prefill of the whole prompt on every rank (sequence-parallel prefill
-    currently runs the whole prompt on each sp rank) assuming flash attention on CUDA; the CPU
-    backend's reference attention materialises the [B, Hq, P, P] float32 scores, counted too.
+    Activations cover the prefill of a rank's prompt shard (P / sp positions; ring attention
+    adds two K/V shard buffers and a float32 accumulator), assuming flash attention on CUDA; the
+    CPU backend's reference attention materialises [B, Hq, P/sp, P/sp] float32 scores per call.
     """
     e = torch.empty((), dtype=dtype).element_size()
     D, dim = args.head_dim, args.dim
@@ -46,13 +46,16 @@ def estimate_memory(args: ModelArgs, *, tp: int, sp: int, batch: int, prompt_len
     weights = (args.n_layers * layer + 2 * vocab * dim + dim) * e
     slots = max_seq_len if sp == 1 else -(-max_seq_len // sp) + 1  # + the scratch slot
     kv = 2 * args.n_layers * batch * slots * hkv * D * e
-    tokens = batch * prompt_len
+    local = -(-prompt_len // sp)
+    tokens = batch * local
     # Live at once in a block: residual, normed input, q/k/v, attention output, 3 MLP tensors.
     act = tokens * (3 * dim + 2 * (hq + 2 * hkv) * D + 3 * inter) * e + 3 * batch * args.vocab_size * 4
+    if sp > 1:
+        act += tokens * (4 * hkv * D * e + hq * D * 4)
     if device_type == "cuda":
         act += CUDA_RESERVE
     else:
-        act += 3 * batch * hq * prompt_len * prompt_len * 4
+        act += 3 * batch * hq * local * local * 4
     return MemoryEstimate(weights, kv, act)
 
 

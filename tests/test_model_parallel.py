@@ -10,7 +10,7 @@ from longctx.weights import HFCheckpoint, RandomWeights
 from tests.checkpoint_utils import write_checkpoint
 from tests.dist_utils import run_distributed
 
-PROMPT, GEN, BATCH = 13, 6, 2  # 13: odd, so sp shards differ in length
+PROMPT, GEN, BATCH = 13, 6, 2  # 13: not a multiple of 2 sp, so some prompt tokens go round-robin
 
 
 def tiny(n_kv_heads: int = 2) -> ModelArgs:
@@ -18,28 +18,29 @@ def tiny(n_kv_heads: int = 2) -> ModelArgs:
                      intermediate_size=96, vocab_size=128, name="test")
 
 
-def _build(args, mesh=None, weights=None):
+def _build(args, mesh=None, weights=None, prompt_len=PROMPT):
     return build_model(args, weights=weights or RandomWeights(seed=3), device="cpu",
-                       dtype=torch.float32, batch=BATCH, max_seq_len=PROMPT + GEN, mesh=mesh)
+                       dtype=torch.float32, batch=BATCH, max_seq_len=prompt_len + GEN, mesh=mesh)
 
 
-def _compare(args, mesh, weights=None) -> None:
+def _compare(args, mesh, weights=None, prompt_len=PROMPT) -> None:
     """The parallel model (weights from `weights`, default the seeded random ones) against one
-    process with the seeded random weights."""
-    prompt = torch.randint(0, args.vocab_size, (BATCH, PROMPT),
+    process with the seeded random weights: logits after the prefill and a few decode steps,
+    then greedy tokens."""
+    prompt = torch.randint(0, args.vocab_size, (BATCH, prompt_len),
                            generator=torch.Generator().manual_seed(1))
-    ref, par = _build(args), _build(args, mesh, weights)
+    ref, par = _build(args, None, None, prompt_len), _build(args, mesh, weights, prompt_len)
     with torch.no_grad():
-        pos = torch.arange(PROMPT)
+        pos = torch.arange(prompt_len)
         torch.testing.assert_close(par.prefill(prompt, pos), ref.prefill(prompt, pos),
                                    rtol=1e-5, atol=1e-5)
         for i in range(3):  # decode logits at a few positions past the prompt
-            tok, p = prompt[:, i], torch.full((BATCH,), PROMPT + i)
+            tok, p = prompt[:, i], torch.full((BATCH,), prompt_len + i)
             torch.testing.assert_close(par.decode_step(tok, p), ref.decode_step(tok, p),
                                        rtol=1e-5, atol=1e-5)
     # Fresh caches: greedy generation end to end.
-    ref.setup_caches(BATCH, PROMPT + GEN)
-    par.setup_caches(BATCH, PROMPT + GEN)
+    ref.setup_caches(BATCH, prompt_len + GEN)
+    par.setup_caches(BATCH, prompt_len + GEN)
     want = generate(ref, prompt, GEN).tokens
     got = generate(par, prompt, GEN).tokens
     assert torch.equal(got, want), (got, want)
@@ -52,7 +53,9 @@ def _world_of_2(rank, world, mqa_checkpoint):
     tp_mesh = ParallelDims(2, 1, world).build_mesh("cpu")
     _compare(tiny(2), tp_mesh)
     _compare(tiny(1), tp_mesh, HFCheckpoint(mqa_checkpoint))
-    _compare(tiny(2), ParallelDims(1, 2, world).build_mesh("cpu"))
+    sp_mesh = ParallelDims(1, 2, world).build_mesh("cpu")
+    for prompt_len in (PROMPT, 12, 3):  # ring + round-robin tail, ring only, tail only
+        _compare(tiny(2), sp_mesh, prompt_len=prompt_len)
 
 
 def _world_of_4(rank, world):
