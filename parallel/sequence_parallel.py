@@ -1,10 +1,10 @@
 """Sequence parallelism: each sequence's KV cache is split by position over the sp group.
 
 Prefill runs ring attention (longctx.parallel.ring) over the prompt sharded in the zigzag layout;
-each rank's K/V shard stays in place as its part of the cache. Each decode step every rank
-attends over its shard and the group's partial states (O, LSE) are merged exactly with
-`merge_states_group`. New tokens are placed round-robin: position p >= the ring-prefilled length
-lives on sp rank p % sp at local slot p // sp, so the shards never differ by more than one token.
+each rank copies its K/V shard into its cache. Each decode step every rank attends over its shard
+and the group's partial states (O, LSE) are merged exactly with `merge_states_group`. New tokens
+are placed round-robin: position p >= the ring-prefilled length lives on sp rank p % sp at local
+slot p // sp, so the shards never differ by more than one token.
 """
 
 from __future__ import annotations
