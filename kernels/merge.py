@@ -78,12 +78,14 @@ def _rows(x: torch.Tensor, lead: int) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def merge_states_triton(o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """o [P, ..., H, D], lse [P, ..., H] float32 -> (o [..., H, D] in o.dtype, lse [..., H] f32)."""
-    P, D = o.shape[0], o.shape[-1]
+def merge_states_triton(o: torch.Tensor, lse: torch.Tensor, out_dtype: torch.dtype | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """o [P, ..., H, D], lse [P, ..., H] float32 -> (o [..., H, D] in out_dtype (default
+    o.dtype), lse [..., H] float32)."""
+    P = o.shape[0]
     o3 = _rows(o, 1)
     lse2 = lse.reshape(P, -1)
-    o_out = torch.empty(o3.shape[1:], dtype=o.dtype, device=o.device)
+    o_out = torch.empty(o3.shape[1:], dtype=out_dtype or o.dtype, device=o.device)
     lse_out = torch.empty(lse2.shape[1:], dtype=torch.float32, device=o.device)
     _launch(o3, lse2, o_out, lse_out, has_acc=False)
     return o_out.view(o.shape[1:]), lse_out.view(lse.shape[1:])

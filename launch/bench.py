@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -270,6 +271,7 @@ def environment() -> dict:
                                 capture_output=True, text=True).stdout.strip() or None
     except OSError:
         commit = None
+    commit = commit or os.environ.get("LONGCTX_COMMIT")  # a copy of the tree without .git
     return {"device": torch.cuda.get_device_name(), "date": datetime.now(timezone.utc).isoformat(),
             "commit": commit, "torch": torch.__version__, "triton": triton.__version__,
             "sms": torch.cuda.get_device_properties(0).multi_processor_count}

@@ -122,10 +122,10 @@ def test_shape_and_dtype_errors():
                    torch.randn(2, 4))
 
 
-def _states(P, rows, H, D, dtype, empty_frac=0.3):
-    o = torch.randn(P, rows, H, D).to(dtype)
-    lse = torch.randn(P, rows, H) * 4
-    lse[torch.rand(P, rows, H) < empty_frac] = float("-inf")
+def _states(P, rows, H, D, dtype, empty_frac=0.3, device="cpu"):
+    o = torch.randn(P, rows, H, D).to(device=device, dtype=dtype)
+    lse = torch.randn(P, rows, H, device=device) * 4
+    lse[torch.rand(P, rows, H, device=device) < empty_frac] = float("-inf")
     lse[:, 0, 0] = float("-inf")  # one row where every part is empty
     return o, lse
 
@@ -133,10 +133,10 @@ def _states(P, rows, H, D, dtype, empty_frac=0.3):
 @pytest.mark.parametrize("P", [1, 3, 9, 70])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("D", [64, 128])
-def test_merge_kernel_matches_torch(P, dtype, D):
-    o, lse = _states(P, 3, 5, D, dtype)
+def test_merge_kernel_matches_torch(P, dtype, D, device):
+    o, lse = _states(P, 3, 5, D, dtype, device=device)
     ref_o, ref_lse = merge_states_torch(o, lse)
-    with force_triton():
+    with force_triton(device == "cpu"):
         ko, klse = merge_states(o, lse)
     assert ko.dtype == dtype and klse.dtype == torch.float32
     tol = 1e-5 if dtype == torch.float32 else 2e-3
@@ -145,17 +145,17 @@ def test_merge_kernel_matches_torch(P, dtype, D):
     assert torch.equal(ko[0, 0], torch.zeros_like(ko[0, 0])) and torch.isneginf(klse[0, 0])
 
 
-def test_merge_into_kernel_matches_torch():
-    o_acc, lse_acc = _states(1, 4, 3, 64, torch.float32)
+def test_merge_into_kernel_matches_torch(device):
+    o_acc, lse_acc = _states(1, 4, 3, 64, torch.float32, device=device)
     o_acc, lse_acc = o_acc[0], lse_acc[0]
-    o, lse = _states(1, 4, 3, 64, torch.float16)
+    o, lse = _states(1, 4, 3, 64, torch.float16, device=device)
     o, lse = o[0], lse[0]
-    ref_o, ref_lse = o_acc.clone(), lse_acc.clone()
-    merge_into(ref_o, ref_lse, o, lse)
-    with force_triton():
+    ref_o, ref_lse = o_acc.cpu(), lse_acc.cpu()
+    merge_into(ref_o, ref_lse, o.cpu(), lse.cpu())
+    with force_triton(device == "cpu"):
         merge_into(o_acc, lse_acc, o, lse)
-    torch.testing.assert_close(o_acc, ref_o, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(lse_acc, ref_lse, rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(o_acc.cpu(), ref_o, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse_acc.cpu(), ref_lse, rtol=1e-6, atol=1e-5)
     assert torch.equal(o_acc[0, 0], torch.zeros_like(o_acc[0, 0]))
 
 

@@ -1,0 +1,78 @@
+"""Tuning sweep for the Flash-Decoding kernel (a development tool; results inform the heuristics
+in kernels/decode.py). For each benchmark shape, times the split kernel + merge over num_splits
+and launch configs, and prints the best against the heuristic's pick and the floor.
+
+    python bench/tune_decode.py [--shapes 1x65536 16x4096] [--splits 1 2 4 8 16 32 64 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch"))
+from bench import read_bandwidth  # noqa: E402
+
+from longctx.kernels.decode import (  # noqa: E402
+    _launch_config, choose_num_splits, flash_decode_partials,
+)
+from longctx.kernels.merge import merge_states_triton  # noqa: E402
+from longctx.kernels.utils import device_sms  # noqa: E402
+
+SHAPES = ["256x256", "128x512", "64x1024", "32x2048", "16x4096", "8x8192", "4x16384",
+          "2x32768", "1x65536", "1x131072", "1x262144"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", nargs="+", default=SHAPES)
+    ap.add_argument("--splits", type=int, nargs="+", default=[1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128])
+    ap.add_argument("--configs", nargs="+", default=["64,4,2", "64,4,3", "64,4,4", "128,4,2", "128,8,2", "32,4,4"])
+    ap.add_argument("--hq", type=int, default=16)
+    ap.add_argument("--hkv", type=int, default=2)
+    ap.add_argument("--d", type=int, default=128)
+    args = ap.parse_args()
+    bw = read_bandwidth()
+    sms = device_sms(torch.device("cuda"))
+    print(f"read bandwidth {bw / 1e12:.2f} TB/s, {sms} SMs")
+    configs = [tuple(int(x) for x in c.split(",")) for c in args.configs]
+    for shape in args.shapes:
+        B, N = (int(x) for x in shape.split("x"))
+        q = torch.randn(B, args.hq, args.d, device="cuda", dtype=torch.float16)
+        k = torch.randn(B, N, args.hkv, args.d, device="cuda", dtype=torch.float16)
+        v = torch.randn_like(k)
+        lens = torch.full((B,), N, device="cuda", dtype=torch.int32)
+        floor = 2 * k.numel() * 2 / bw * 1e6
+        results = {}
+        for sp, cfg in itertools.product(args.splits, configs):
+            def fn():
+                if sp == 1:
+                    return flash_decode_partials(q, k, v, lens, None, args.d**-0.5, 1,
+                                                 out_dtype=q.dtype, config=cfg)
+                o, lse = flash_decode_partials(q, k, v, lens, None, args.d**-0.5, sp, config=cfg)
+                return merge_states_triton(o, lse, out_dtype=q.dtype)
+            try:
+                results[(sp, cfg)] = triton.testing.do_bench(fn, warmup=10, rep=40,
+                                                             return_mode="median") * 1e3
+            except Exception as e:  # a config that does not fit is skipped
+                print(f"  skip {sp} {cfg}: {type(e).__name__}")
+        best = min(results, key=results.get)
+        h_sp = choose_num_splits(B, args.hkv, N, sms)
+        h_cfg = _launch_config(args.d, torch.float16, 16)
+        h = results.get((h_sp, h_cfg))
+        by_split = {sp: min(t for (s, _), t in results.items() if s == sp) for sp in args.splits
+                    if any(s == sp for s, _ in results)}
+        print(f"B={B:<4} N={N:<7} floor {floor:6.1f} us | best {results[best]:6.1f} us "
+              f"(splits {best[0]}, cfg {best[1]}) {100 * floor / results[best]:4.0f}% | heuristic "
+              f"{h_sp} {h_cfg}: {h if h is None else round(h, 1)} us")
+        print("    best per split: " + " ".join(f"{sp}:{t:.1f}" for sp, t in by_split.items()))
+        del q, k, v
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,340 @@
+"""Flash-Decoding: split-KV decode attention with GQA packing.
+
+One query token per sequence attends to its KV cache (contiguous or paged, ragged
+lengths). The KV range of every sequence is cut into ``num_splits`` chunks; each
+Triton program handles one (split, batch, kv-head) triple and *all* query heads of
+that GQA group, so every K/V byte is read from HBM exactly once. Each program
+writes a partial, normalised output and its log-sum-exp; the caller merges the
+partials (e.g. with the standard LSE-weighted combine, which is also how partials
+from other GPUs / other KV shards are merged).
+
+The split ranges are computed inside the kernel from ``cache_seqlens`` (a device
+tensor). The launch grid depends only on ``num_splits``, batch and head counts,
+never on the current lengths, so there is no host sync and a CUDA graph captured
+once replays correctly as sequences grow.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from longctx.backend import interpreter_active
+from longctx.kernels.merge import merge_states_triton
+from longctx.kernels.utils import device_sms
+
+__all__ = ["flash_decode", "flash_decode_partials", "choose_num_splits"]
+
+_LOG2E = 1.4426950408889634
+# Upper bound on query heads handled by one program. Larger GQA groups (e.g. MQA
+# with 128 heads) are split over a third grid axis to keep the fp32 accumulator
+# in registers; K/V is then re-read once per head block (still <= G/64 times).
+_MAX_BLOCK_H = 64
+_INTERPRET = interpreter_active()
+
+
+@triton.jit
+def _attend_block(
+    q, m_i, l_i, acc, n_start, end, k_head, v_head, bt_row, num_pages,
+    b64, stride_k0, stride_k1, stride_v0, stride_v1, qk_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGED: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+):
+    """One online-softmax step over keys [n_start, n_start + BLOCK_N) clipped to `end`.
+
+    q [BLOCK_H, D] (cache dtype); m_i, l_i [BLOCK_H] fp32 (max / sum in exp2 domain);
+    acc [BLOCK_H, D] fp32 un-normalised output. n_start is a multiple of BLOCK_N.
+    """
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = n_start + offs_n0
+    n_mask = offs_n < end
+    if PAGED:
+        if BLOCK_N <= PAGE_SIZE:
+            # Block is BLOCK_N-aligned and PAGE_SIZE % BLOCK_N == 0, so it lies
+            # inside one page: one scalar table lookup per block.
+            page = tl.load(bt_row + n_start // PAGE_SIZE).to(tl.int64)
+            slot = (n_start % PAGE_SIZE + offs_n0).to(tl.int64)
+        else:
+            # Block spans several pages: per-row gather of page ids.
+            page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+            slot = (offs_n % PAGE_SIZE).to(tl.int64)
+        # A page id out of range is never dereferenced; its scores become NaN instead, so the
+        # sequence's output is NaN: loud, without a host-side check.
+        page_ok = (page >= 0) & (page < num_pages)
+        page = tl.where(page_ok, page, 0)
+        k_rows = page * stride_k0 + slot * stride_k1
+        v_rows = page * stride_v0 + slot * stride_v1
+    else:
+        pos = offs_n.to(tl.int64)
+        k_rows = b64 * stride_k0 + pos * stride_k1
+        v_rows = b64 * stride_v0 + pos * stride_v1
+
+    k = tl.load(k_head + k_rows[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+    v = tl.load(v_head + v_rows[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+
+    s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale  # [BLOCK_H, BLOCK_N]
+    s = tl.where(n_mask[None, :], s, float("-inf"))
+    if PAGED:
+        s = tl.where(page_ok, s, float("nan"))
+
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    # Guard: a row with no finite score would give (-inf) - (-inf) = NaN.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _decode_split_kernel(
+    Q, K, V, SEQLENS, BLOCK_TABLE, O_PART, LSE_PART,
+    qk_scale,  # softmax_scale * log2(e): scores live in the exp2 domain
+    num_splits,
+    capacity,  # keys the cache can hold per sequence: a longer cache_seqlens entry is invalid
+    num_pages,
+    stride_qb, stride_qh,
+    stride_k0, stride_k1, stride_kh,  # dim0 = batch (contiguous) or page (paged)
+    stride_v0, stride_v1, stride_vh,
+    stride_sl,
+    stride_btb,
+    stride_os, stride_ob, stride_oh,
+    stride_ls, stride_lb,
+    HKV: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGED: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    INTERPRET_LOOP: tl.constexpr,
+):
+    split = tl.program_id(0)
+    bh = tl.program_id(1)
+    hblk = tl.program_id(2)
+    b = bh // HKV
+    hkv = bh % HKV
+    b64 = b.to(tl.int64)
+
+    offs_h = hblk * BLOCK_H + tl.arange(0, BLOCK_H)  # index within the GQA group
+    offs_d = tl.arange(0, HEAD_DIM)
+    h_mask = offs_h < GROUP
+    q_head = hkv * GROUP + offs_h  # global query-head index
+
+    # ---- split range from the current length (device-side, graph-safe) ----
+    seqlen = tl.load(SEQLENS + b64 * stride_sl)
+    # An invalid length reads nothing and yields NaN below (no host sync to raise instead).
+    len_ok = (seqlen >= 0) & (seqlen <= capacity)
+    seqlen = tl.where(len_ok, seqlen, 0)
+    per_split = tl.cdiv(seqlen, num_splits)
+    chunk = tl.cdiv(per_split, BLOCK_N) * BLOCK_N  # BLOCK_N-aligned chunks
+    start = split * chunk
+    end = tl.minimum(start + chunk, seqlen)
+
+    # ---- q tile [BLOCK_H, D]; padded rows are zero and never stored ----
+    q_ptrs = Q + b64 * stride_qb + q_head[:, None].to(tl.int64) * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=h_mask[:, None], other=0.0).to(K.dtype.element_ty)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
+
+    k_head = K + hkv.to(tl.int64) * stride_kh
+    v_head = V + hkv.to(tl.int64) * stride_vh
+    bt_row = BLOCK_TABLE + b64 * stride_btb
+
+    # Empty split (start >= end): loop runs zero times -> empty state below.
+    if INTERPRET_LOOP:
+        # Triton's CPU interpreter (with numpy >= 2.4) cannot use tensor bounds in
+        # range(); a while loop is equivalent there. GPU builds take the for-loop,
+        # which the compiler can software-pipeline (num_stages).
+        n_start = start
+        while n_start < end:
+            m_i, l_i, acc = _attend_block(
+                q, m_i, l_i, acc, n_start, end, k_head, v_head, bt_row, num_pages,
+                b64, stride_k0, stride_k1, stride_v0, stride_v1, qk_scale,
+                HEAD_DIM, BLOCK_N, PAGED, PAGE_SIZE, INPUT_PRECISION)
+            n_start += BLOCK_N
+    else:
+        for it in range(start, end, BLOCK_N):
+            m_i, l_i, acc = _attend_block(
+                q, m_i, l_i, acc, tl.multiple_of(it, BLOCK_N), end, k_head, v_head, bt_row, num_pages,
+                b64, stride_k0, stride_k1, stride_v0, stride_v1, qk_scale,
+                HEAD_DIM, BLOCK_N, PAGED, PAGE_SIZE, INPUT_PRECISION)
+
+    # ---- normalised partial output + natural-log LSE ----
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    o = acc / l_safe[:, None]  # acc == 0 for empty rows -> exactly 0
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)  # * ln(2)
+    o = tl.where(len_ok, o, float("nan"))
+    lse = tl.where(len_ok, lse, float("nan"))
+
+    split64 = split.to(tl.int64)
+    o_ptrs = (O_PART + split64 * stride_os + b64 * stride_ob
+              + q_head[:, None].to(tl.int64) * stride_oh + offs_d[None, :])
+    tl.store(o_ptrs, o.to(O_PART.dtype.element_ty), mask=h_mask[:, None])
+    lse_ptrs = LSE_PART + split64 * stride_ls + b64 * stride_lb + q_head
+    tl.store(lse_ptrs, lse, mask=h_mask)
+
+
+def _launch_config(head_dim: int, dtype: torch.dtype, block_h: int) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) for a cache dtype / head_dim / BLOCK_H.
+
+    Chosen from offline sm_90 compiles (ptxas register/spill reports, shared-memory
+    size), not from GPU timings. fp16/bf16 use mma.sync tensor cores with
+    cp.async-pipelined K/V tiles; fp32 ("ieee" dot, no tensor cores) needs smaller
+    key blocks and 8 warps to avoid register spills.
+    """
+    if dtype == torch.float32:
+        return (32 if head_dim <= 128 and block_h * head_dim < 64 * 128 else 16), 8, 2
+    block_n = 64 if head_dim <= 128 else 32
+    num_warps = 8 if block_h * head_dim >= 64 * 128 else 4
+    num_stages = 3 if head_dim <= 128 else 2
+    return block_n, num_warps, num_stages
+
+
+def flash_decode_partials(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    block_table: torch.Tensor | None,
+    softmax_scale: float,
+    num_splits: int,
+    out_dtype: torch.dtype = torch.float32,
+    config: tuple[int, int, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split-KV decode attention; returns the un-merged partial states.
+
+    Inputs are validated by longctx.decode (shapes, dtypes, strides, page size).
+
+    Args:
+        q: [B, Hq, D] fp16/bf16/fp32, last-dim stride 1 (other strides arbitrary); cast to the
+            cache dtype inside the kernel.
+        k_cache, v_cache: contiguous [B, S_max, Hkv, D] (block_table None) or paged
+            [num_pages, page_size, Hkv, D]; last-dim stride 1.
+        cache_seqlens: [B] int32 on q's device. A length outside [0, capacity] or a page id
+            outside [0, num_pages) within the length makes that sequence's output NaN.
+        block_table: None, or [B, max_pages] int32 (last-dim stride 1); logical position p
+            of sequence b lives in page block_table[b, p // page_size], slot p % page_size.
+        softmax_scale: multiplier applied to q.k (usually D ** -0.5).
+        num_splits: KV chunks per sequence (>= 1; surplus splits are empty).
+        out_dtype: dtype of o_part (float32 to merge; q's dtype when num_splits == 1).
+        config: (BLOCK_N, num_warps, num_stages) override, for tuning sweeps.
+
+    Returns:
+        o_part [num_splits, B, Hq, D] out_dtype, each split's softmax-normalised output;
+        lse_part [num_splits, B, Hq] float32 natural log. Empty splits: o = 0, lse = -inf.
+    """
+    B, Hq, D = q.shape
+    Hkv = k_cache.shape[2]
+    paged = block_table is not None
+    if paged:
+        page_size, num_pages = k_cache.shape[1], k_cache.shape[0]
+        capacity = block_table.shape[1] * page_size
+        bt, stride_btb = block_table, block_table.stride(0)
+    else:
+        page_size, num_pages, capacity = 1, 0, k_cache.shape[1]
+        bt, stride_btb = cache_seqlens, 0  # dummy pointer, never dereferenced
+
+    group = Hq // Hkv
+    block_h = min(max(16, triton.next_power_of_2(group)), _MAX_BLOCK_H)
+    n_hblk = triton.cdiv(group, block_h)
+    block_n, num_warps, num_stages = config or _launch_config(D, k_cache.dtype, block_h)
+
+    o_part = torch.empty((num_splits, B, Hq, D), device=q.device, dtype=out_dtype)
+    lse_part = torch.empty((num_splits, B, Hq), device=q.device, dtype=torch.float32)
+
+    # fp32 caches: exact fp32 products (tf32 would cost ~1e-3 relative error).
+    precision = "ieee" if k_cache.dtype == torch.float32 else "tf32"
+
+    grid = (num_splits, B * Hkv, n_hblk)
+    _decode_split_kernel[grid](
+        q, k_cache, v_cache, cache_seqlens, bt, o_part, lse_part,
+        float(softmax_scale) * _LOG2E,
+        num_splits, capacity, num_pages,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        cache_seqlens.stride(0),
+        stride_btb,
+        o_part.stride(0), o_part.stride(1), o_part.stride(2),
+        lse_part.stride(0), lse_part.stride(1),
+        HKV=Hkv,
+        GROUP=group,
+        HEAD_DIM=D,
+        BLOCK_H=block_h,
+        BLOCK_N=block_n,
+        PAGED=paged,
+        PAGE_SIZE=page_size,
+        INPUT_PRECISION=precision,
+        INTERPRET_LOOP=_INTERPRET,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    return o_part, lse_part
+
+
+def flash_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    block_table: torch.Tensor | None,
+    softmax_scale: float,
+    num_splits: int | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flash-Decoding: split kernel, then the merge layer's kernel over the splits.
+
+    Returns o [B, Hq, D] in q's dtype and lse [B, Hq] float32 natural log. With one split
+    the split kernel writes the final output directly (no merge launch).
+    """
+    B, Hkv = q.shape[0], k_cache.shape[2]
+    if num_splits is None:
+        capacity = (block_table.shape[1] * k_cache.shape[1] if block_table is not None
+                    else k_cache.shape[1])
+        num_splits = choose_num_splits(B, Hkv, capacity, device_sms(q.device))
+    if num_splits == 1:
+        o, lse = flash_decode_partials(q, k_cache, v_cache, cache_seqlens, block_table,
+                                       softmax_scale, 1, out_dtype=q.dtype)
+        return o[0], lse[0]
+    o_part, lse_part = flash_decode_partials(q, k_cache, v_cache, cache_seqlens, block_table,
+                                             softmax_scale, num_splits)
+    return merge_states_triton(o_part, lse_part, out_dtype=q.dtype)
+
+
+def choose_num_splits(
+    batch: int,
+    num_kv_heads: int,
+    max_seqlen_capacity: int,
+    num_sms: int,
+    *,
+    min_keys_per_split: int = 256,
+    max_splits: int = 128,
+    target_waves: int = 2,
+) -> int:
+    """Pick num_splits for flash_decode_partials from static capacity only.
+
+    Decode is bandwidth-bound; with one program per (batch, kv_head) a small batch
+    leaves most SMs idle, so the KV range is split until about ``target_waves``
+    programs per SM exist. Each split keeps at least ``min_keys_per_split`` keys
+    (below that, per-program overhead and the extra partials to merge dominate),
+    and splits are capped at ``max_splits``. Returns 1 when batch * num_kv_heads
+    already fills the GPU. Uses only the cache capacity (not current lengths) so
+    the value, and hence the launch grid, is stable across decode steps / CUDA-graph
+    replays; short sequences just leave the surplus splits empty.
+    """
+    base = max(1, batch * num_kv_heads)
+    if base >= num_sms:
+        return 1
+    want = triton.cdiv(target_waves * num_sms, base)
+    by_length = max(1, max_seqlen_capacity // min_keys_per_split)
+    return int(max(1, min(want, by_length, max_splits)))
