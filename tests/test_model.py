@@ -10,10 +10,9 @@ from longctx.generate import generate, sample
 from longctx.parallel.build import build_model
 from longctx.weights import HFCheckpoint, RandomWeights
 
-transformers = pytest.importorskip("transformers", reason="transformers (the test extra) is the reference")
-
 
 def _hf_model(tmp_path, max_shard_size):
+    transformers = pytest.importorskip("transformers", reason="the reference (test extra)")
     cfg = transformers.LlamaConfig(
         vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=5e5,
@@ -85,3 +84,45 @@ def test_sample():
     draws = torch.stack([sample(logits, temperature=1.0) for _ in range(400)])
     freq = (draws[:, 0:1] == torch.arange(4)).float().mean(0)
     torch.testing.assert_close(freq, torch.softmax(logits[0], -1), atol=0.07, rtol=0)
+
+
+def _small_model(device, batch=2, max_seq_len=40):
+    args = ModelArgs(n_layers=2, dim=64, n_heads=4, n_kv_heads=2, head_dim=16,
+                     intermediate_size=64, vocab_size=64)
+    return build_model(args, weights=RandomWeights(seed=1), device=device, dtype=torch.float32,
+                       batch=batch, max_seq_len=max_seq_len)
+
+
+def test_model_on_the_kernels_matches_the_reference_path(device):
+    """Prefill (in two chunks: the second attends to the cache) and decode through the Triton
+    kernels (the interpreter on CPU) give the logits of the CPU reference path."""
+    from longctx.backend import force_triton
+
+    ref, fast = _small_model("cpu"), _small_model(device)
+    tokens = torch.randint(0, 64, (2, 23), generator=torch.Generator().manual_seed(4))
+    tol = dict(rtol=1e-5, atol=1e-5) if device == "cpu" else dict(rtol=2e-3, atol=2e-3)  # tf32
+
+    def run(model, dev):
+        t = tokens.to(dev)
+        out = [model.prefill(t[:, :11], torch.arange(11, device=dev)),
+               model.prefill(t[:, 11:20], torch.arange(11, 20, device=dev))]
+        for i in range(20, 23):
+            out.append(model.decode_step(t[:, i], torch.full((2,), i, device=dev)))
+        return [o.cpu() for o in out]
+
+    with torch.no_grad():
+        want = run(ref, "cpu")
+        with force_triton(device == "cpu"):
+            got = run(fast, device)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, **tol)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_decode_matches_eager():
+    prompt = torch.randint(0, 64, (2, 17), device="cuda")
+    tokens = []
+    for graph in (False, True):
+        model = _small_model("cuda")
+        tokens.append(generate(model, prompt, 12, cuda_graph=graph).tokens)
+    assert torch.equal(tokens[0], tokens[1])

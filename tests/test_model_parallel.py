@@ -2,6 +2,7 @@
 
 import torch
 
+from longctx.backend import force_triton
 from longctx.config import ModelArgs
 from longctx.generate import generate
 from longctx.parallel.build import build_model
@@ -56,6 +57,8 @@ def _world_of_2(rank, world, mqa_checkpoint):
     sp_mesh = ParallelDims(1, 2, world).build_mesh("cpu")
     for prompt_len in (PROMPT, 12, 3):  # ring + round-robin tail, ring only, tail only
         _compare(tiny(2), sp_mesh, prompt_len=prompt_len)
+    with force_triton():  # the same through the Triton kernels (interpreter): attention, decode, merge
+        _compare(tiny(2), sp_mesh)
 
 
 def _world_of_4(rank, world):
