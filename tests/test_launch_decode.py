@@ -1,10 +1,14 @@
-"""launch/decode.py end to end on CPU, as a user runs it (subprocesses)."""
+"""launch/decode.py end to end, as a user runs it (subprocesses): on the CPU, or on a GPU where
+there is one (CUDA graphs, NCCL)."""
 
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+import torch
 
 from longctx.config import ModelArgs
 from tests.checkpoint_utils import write_checkpoint
@@ -27,19 +31,24 @@ def _summary(tmp_path: Path) -> tuple[Path, dict]:
     return run_dir, json.loads((run_dir / "summary.json").read_text())
 
 
-def test_default_run_is_the_tiny_model_on_cpu(tmp_path):
+def test_default_run_is_the_tiny_model(tmp_path):
     r = _run(tmp_path)
     assert r.returncode == 0, r.stderr
     run_dir, s = _summary(tmp_path)
     assert {p.name for p in run_dir.iterdir()} == {"summary.json", "config.yaml", "rank0.log"}
-    assert (s["model"], s["dtype"], s["prompt_len"], s["decode_steps"]) == ("tiny", "float32", 1024, 31)
+    cuda = torch.cuda.is_available()
+    assert (s["model"], s["dtype"], s["prompt_len"], s["decode_steps"], s["cuda_graphs"]) == (
+        "tiny", "bfloat16" if cuda else "float32", 1024, 31, cuda)
     assert len(s["tokens"]) == 32 and s["decode_tokens_per_s"] > 0
     assert s["ms_per_token_p90"] >= s["ms_per_token_p50"] > 0
     assert s["bytes_per_step"]["total"] > s["bytes_per_step"]["weights"] > 0
-    assert 0 < s["pct_of_bandwidth_limit"] and "CPU memcpy" in s["read_bandwidth_measured_as"]
+    assert 0 < s["pct_of_bandwidth_limit"]
+    assert ("HBM" if cuda else "CPU memcpy") in s["read_bandwidth_measured_as"]
     assert "tokens/s" in r.stdout and "% of 1 x" in r.stdout
 
 
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2,
+                    reason="on a CUDA machine each of the 2 ranks needs its own GPU")
 def test_torchrun_sequence_parallel_with_checkpoint_and_text_prompt(tmp_path):
     args = ModelArgs(n_layers=2, dim=64, n_heads=4, n_kv_heads=2, head_dim=16,
                      intermediate_size=96, vocab_size=64, name="ckpt")

@@ -2,7 +2,7 @@
 
 import torch
 
-from longctx.backend import force_triton
+from longctx.backend import force_triton, interpreter_active
 from longctx.config import ModelArgs
 from longctx.generate import generate
 from longctx.parallel.build import build_model
@@ -57,8 +57,9 @@ def _world_of_2(rank, world, mqa_checkpoint):
     sp_mesh = ParallelDims(1, 2, world).build_mesh("cpu")
     for prompt_len in (PROMPT, 12, 3):  # ring + round-robin tail, ring only, tail only
         _compare(tiny(2), sp_mesh, prompt_len=prompt_len)
-    with force_triton():  # the same through the Triton kernels (interpreter): attention, decode, merge
-        _compare(tiny(2), sp_mesh)
+    if interpreter_active():  # the same through the Triton kernels: attention, decode, merge
+        with force_triton():
+            _compare(tiny(2), sp_mesh)
 
 
 def _world_of_4(rank, world):
