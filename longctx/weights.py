@@ -41,9 +41,12 @@ class WeightSource(Protocol):
 
 class RandomWeights:
     """Deterministic N(0, std) weights (norm weights 1), drawn on the parameter's device in its
-    dtype from a generator seeded by (seed, name). Every rank and every tp/sp layout draws the
-    same full tensor and keeps its slice, so parallel runs compute the same model as one GPU.
-    One full tensor exists at a time (at most a few hundred MB for a 34B model)."""
+    dtype. A tensor is drawn in blocks of BLOCK rows (or columns, for the row-parallel o_proj and
+    down_proj), each from a generator seeded by (seed, name, block): a rank draws only the blocks
+    its shard overlaps, and every tp/sp layout gets the same values, so parallel runs compute the
+    same model as one device."""
+
+    BLOCK = 64
 
     def __init__(self, seed: int = 0, std: float = 0.02) -> None:
         self.seed, self.std = seed, std
@@ -53,11 +56,24 @@ class RandomWeights:
         if name.endswith("norm.weight"):
             out.fill_(1.0)
             return
+        # Block along the dim that tensor parallelism slices; any other slice is still correct.
+        dim = 1 if name.endswith(("o_proj.weight", "down_proj.weight")) else 0
+        lo, hi = 0, full_shape[dim]
+        if shard is not None and shard.dim == dim:
+            lo, hi = shard.start, shard.start + shard.length
         gen = torch.Generator(device=out.device)
-        gen.manual_seed(self.seed * 1_000_003 + zlib.crc32(name.encode()))
-        full = torch.empty(full_shape, dtype=out.dtype, device=out.device)
-        full.normal_(0.0, self.std, generator=gen)
-        out.copy_(full if shard is None else full.narrow(shard.dim, shard.start, shard.length))
+        base = self.seed * 1_000_003 + zlib.crc32(name.encode())
+        blocks = []
+        for b in range(lo // self.BLOCK, -(-hi // self.BLOCK)):
+            shape = list(full_shape)
+            shape[dim] = min(self.BLOCK, full_shape[dim] - b * self.BLOCK)
+            gen.manual_seed((base * 1_000_003 + b) % 2**63)
+            blocks.append(torch.empty(shape, dtype=out.dtype, device=out.device)
+                          .normal_(0.0, self.std, generator=gen))
+        region = torch.cat(blocks, dim).narrow(dim, lo % self.BLOCK, hi - lo)
+        if shard is not None and shard.dim != dim:
+            region = region.narrow(shard.dim, shard.start, shard.length)
+        out.copy_(region)
 
 
 class HFCheckpoint:

@@ -8,7 +8,7 @@ import torch
 from longctx.config import ModelArgs
 from longctx.generate import generate, sample
 from longctx.parallel.build import build_model
-from longctx.weights import HFCheckpoint, RandomWeights
+from longctx.weights import HFCheckpoint, RandomWeights, Shard
 
 
 def _hf_model(tmp_path, max_shard_size):
@@ -59,6 +59,19 @@ def test_checkpoint_errors(tmp_path):
         {"model_type": "llama", "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}))
     with pytest.raises(ValueError, match="rope scaling .'llama3'. is not supported"):
         ModelArgs.from_hf_config(tmp_path / "config.json")
+
+
+@pytest.mark.parametrize("name,full", [("layers.0.mlp.up_proj.weight", (200, 70)),
+                                       ("layers.0.mlp.down_proj.weight", (70, 200))])
+def test_random_weights_any_slice_equals_the_slice_of_the_whole(name, full):
+    w = RandomWeights(seed=3)
+    whole = torch.empty(full)
+    w.read(name, full, None, whole)
+    for shard in (Shard(0, 63, 2, full[0]), Shard(0, 35, 35, full[0]), Shard(1, 0, 70, full[1]),
+                  Shard(1, 50, 20, full[1])):
+        part = torch.empty(whole.narrow(shard.dim, shard.start, shard.length).shape)
+        w.read(name, full, shard, part)
+        assert torch.equal(part, whole.narrow(shard.dim, shard.start, shard.length)), shard
 
 
 def test_random_weights_are_deterministic_and_generation_is_repeatable():
