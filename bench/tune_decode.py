@@ -1,4 +1,4 @@
-"""Tuning sweep for the Flash-Decoding kernel (a development tool; results inform the heuristics
+"""Tuning sweep for the Flash-Decoding kernel, timed under CUDA-graph replay (a development tool; results inform the heuristics
 in kernels/decode.py). For each benchmark shape, times the split kernel + merge over num_splits
 and launch configs, and prints the best against the heuristic's pick and the floor.
 
@@ -16,7 +16,7 @@ import torch
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch"))
-from bench import read_bandwidth  # noqa: E402
+from bench import graph_ms, read_bandwidth  # noqa: E402
 
 from longctx.kernels.decode import (  # noqa: E402
     _launch_config, choose_num_splits, flash_decode_partials,
@@ -24,6 +24,11 @@ from longctx.kernels.decode import (  # noqa: E402
 from longctx.kernels.merge import merge_states_triton  # noqa: E402
 from longctx.kernels.utils import device_sms  # noqa: E402
 
+class _Timing:  # what launch/bench.py's graph_ms reads from its config
+    warmup_ms, rep_ms = 5, 25
+
+
+TIMING = _Timing()
 SHAPES = ["256x256", "128x512", "64x1024", "32x2048", "16x4096", "8x8192", "4x16384",
           "2x32768", "1x65536", "1x131072", "1x262144"]
 
@@ -57,8 +62,7 @@ def main() -> None:
                 o, lse = flash_decode_partials(q, k, v, lens, None, args.d**-0.5, sp, config=cfg)
                 return merge_states_triton(o, lse, out_dtype=q.dtype)
             try:
-                results[(sp, cfg)] = triton.testing.do_bench(fn, warmup=10, rep=40,
-                                                             return_mode="median") * 1e3
+                results[(sp, cfg)] = graph_ms(fn, TIMING) * 1e3
             except Exception as e:  # a config that does not fit is skipped
                 print(f"  skip {sp} {cfg}: {type(e).__name__}")
         best = min(results, key=results.get)
@@ -71,6 +75,13 @@ def main() -> None:
               f"(splits {best[0]}, cfg {best[1]}) {100 * floor / results[best]:4.0f}% | heuristic "
               f"{h_sp} {h_cfg}: {h if h is None else round(h, 1)} us")
         print("    best per split: " + " ".join(f"{sp}:{t:.1f}" for sp, t in by_split.items()))
+        sp, cfg = best
+        if sp > 1:  # where the time goes: the split kernel alone, and the merge alone
+            o, lse = flash_decode_partials(q, k, v, lens, None, args.d**-0.5, sp, config=cfg)
+            t_split = graph_ms(lambda: flash_decode_partials(q, k, v, lens, None, args.d**-0.5, sp,
+                                                             config=cfg), TIMING) * 1e3
+            t_merge = graph_ms(lambda: merge_states_triton(o, lse, out_dtype=q.dtype), TIMING) * 1e3
+            print(f"    at the best: split kernel {t_split:.1f} us, merge kernel {t_merge:.1f} us")
         del q, k, v
 
 

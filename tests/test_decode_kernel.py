@@ -198,8 +198,8 @@ def test_strided_cache_view():
 def test_all_empty():
     gen = torch.Generator().manual_seed(5)
     q, k, v = make_inputs(2, 1, 3, 64, 8, torch.float32, gen)
-    seqlens = torch.zeros(2, dtype=torch.int32)
-    o_part, lse_part = flash_decode_partials(q, k, v, seqlens, None, 0.125, 4)
+    seqlens = torch.zeros(2, dtype=torch.int32, device=DEV)
+    o_part, lse_part = flash_decode_partials(q.to(DEV), k.to(DEV), v.to(DEV), seqlens, None, 0.125, 4)
     assert torch.all(o_part == 0)
     assert torch.all(lse_part == -math.inf)
 
