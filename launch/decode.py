@@ -33,7 +33,7 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 from longctx.config import ModelArgs, check_decode_config, resolve_dtype  # noqa: E402
 from longctx.generate import Generation, generate  # noqa: E402
 from longctx.hardware import available_memory, read_bandwidth  # noqa: E402
-from longctx.memory import GiB, check_memory  # noqa: E402
+from longctx.parallel.memory import GiB, check_memory  # noqa: E402
 from longctx.model import Transformer  # noqa: E402
 from longctx.parallel.build import build_model  # noqa: E402
 from longctx.parallel.mesh import ParallelDims  # noqa: E402

@@ -9,7 +9,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from longctx.config import ModelArgs, check_decode_config
-from longctx.memory import GiB, check_memory, estimate_memory
+from longctx.parallel.memory import GiB, check_memory, estimate_memory
 from longctx.parallel.mesh import ParallelDims
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"

@@ -1,4 +1,4 @@
-"""Will a decode run fit? Memory per device, estimated from the config before anything is
+"""Will a tp x sp decode run fit? Memory per device, estimated from the config before anything is
 allocated, and the tp x sp layouts that would fit when it does not."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from longctx.config import ModelArgs
+from longctx.parallel.mesh import ParallelDims
 
 GiB = float(1 << 30)
 CUDA_RESERVE = 2 << 30  # CUDA context, NCCL buffers, CUDA-graph pool, allocator slack
@@ -40,7 +41,7 @@ def estimate_memory(args: ModelArgs, *, tp: int, sp: int, batch: int, prompt_len
     """
     e = torch.empty((), dtype=dtype).element_size()
     D, dim = args.head_dim, args.dim
-    hq, hkv = args.n_heads // tp, max(args.n_kv_heads // tp, 1)
+    hq, hkv = args.n_heads // tp, ParallelDims(tp, sp, tp * sp).local_kv_heads(args)
     inter, vocab = args.intermediate_size // tp, args.vocab_size // tp
     layer = dim * D * (2 * hq + 2 * hkv) + 3 * dim * inter + 2 * dim
     weights = (args.n_layers * layer + 2 * vocab * dim + dim) * e
@@ -63,8 +64,6 @@ def fitting_layouts(args: ModelArgs, available: int, max_world: int = 64,
                     **kw) -> list[tuple[int, int, MemoryEstimate]]:
     """(tp, sp, estimate) of every valid power-of-two layout of the smallest world size (up to
     max_world) whose estimate fits in `available` bytes per device; [] if none."""
-    from longctx.parallel.mesh import ParallelDims
-
     world = 1
     while world <= max_world:
         fits = []
