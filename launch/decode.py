@@ -154,6 +154,8 @@ def run(cfg: DictConfig, device: torch.device, rank: int, world: int, run_dir: P
     tokenizer = ckpt.tokenizer() if cfg.prompt else None
     if tokenizer is not None:
         prompt = torch.tensor(tokenizer.encode(cfg.prompt).ids, dtype=torch.int64).repeat(B, 1)
+        if prompt.shape[1] == 0:
+            raise ValueError(f"prompt {cfg.prompt!r} gives no tokens with {ckpt.path}/tokenizer.json")
     else:
         gen_cpu = torch.Generator().manual_seed(cfg.seed)
         prompt = torch.randint(0, args.vocab_size, (B, cfg.context_len), generator=gen_cpu)
@@ -164,7 +166,7 @@ def run(cfg: DictConfig, device: torch.device, rank: int, world: int, run_dir: P
             "device": device_name(device), "world_size": world, "tp": dims.tp, "sp": dims.sp,
             "batch": B, "prompt_len": P, "gen_len": cfg.gen_len, "cuda_graphs": cuda_graphs}
     log.info(f"run directory {run_dir}")
-    n = args.num_params()
+    n = info["params"]
     size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
     log.info(f"{args.name}: {size} parameters, {info['dtype']}, {world} x "
              f"{info['device']}, tp={dims.tp} sp={dims.sp}, batch {B}, prompt {P} tokens, "

@@ -8,15 +8,12 @@ token. Elsewhere the same step runs eagerly.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
 
 from longctx.model import Transformer
-
-PrefillFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (tokens, input_pos) -> logits
 
 
 def sample(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0) -> torch.Tensor:
@@ -96,11 +93,9 @@ class Generation:
 
 
 def generate(model: Transformer, prompt: torch.Tensor, gen_len: int, *, temperature: float = 0.0,
-             top_p: float = 1.0, cuda_graph: bool = True, prefill: PrefillFn | None = None,
-             progress: bool = False) -> Generation:
+             top_p: float = 1.0, cuda_graph: bool = True, progress: bool = False) -> Generation:
     """Prefill `prompt` [B, P] int64 (on the model's device), then decode gen_len - 1 steps.
 
-    `prefill(tokens, input_pos)` defaults to model.prefill; sequence parallelism passes its own.
     The model's caches must hold P + gen_len - 1 positions. `progress` shows a tqdm bar on stderr
     when it is a terminal.
     """
@@ -110,7 +105,7 @@ def generate(model: Transformer, prompt: torch.Tensor, gen_len: int, *, temperat
     with torch.no_grad():
         sync()
         t0 = time.perf_counter()
-        logits = (prefill or model.prefill)(prompt, torch.arange(P, device=prompt.device))
+        logits = model.prefill(prompt, torch.arange(P, device=prompt.device))
         first = sample(logits, temperature, top_p)
         sync()
         prefill_s = time.perf_counter() - t0
