@@ -25,7 +25,7 @@ from longctx.kernels.merge import merge_states_triton  # noqa: E402
 from longctx.kernels.utils import device_sms  # noqa: E402
 
 class _Timing:  # what launch/bench.py's graph_ms reads from its config
-    warmup_ms, rep_ms = 5, 25
+    warmup_ms, rep_ms = 2, 5
 
 
 TIMING = _Timing()

@@ -19,9 +19,10 @@ def _merge_kernel(
     stride_op, stride_or, stride_lp, stride_lr, stride_out_r,
     HAS_ACC: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    # One program merges the P parts of one row (one query head of one token).
+    # One program merges the P parts of one row (one query head of one token) for one chunk of
+    # head_dim: decode merges have few rows, so head_dim chunks add the parallelism.
     r = tl.program_id(0).to(tl.int64)
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_mask = offs_d < D
     # Running state: lse = m + log(s), o = acc / s. m = -inf, s = 0 is the empty state.
     if HAS_ACC:
@@ -54,7 +55,8 @@ def _merge_kernel(
     lse_out = m_safe + tl.log(s)  # log(0) = -inf: every part was empty
     o_out = acc / tl.where(s > 0, s, 1.0)
     tl.store(O_OUT + r * stride_out_r + offs_d, o_out.to(O_OUT.dtype.element_ty), mask=d_mask)
-    tl.store(LSE_OUT + r, lse_out)
+    if tl.program_id(1) == 0:
+        tl.store(LSE_OUT + r, lse_out)
 
 
 def _launch(o3: torch.Tensor, lse2: torch.Tensor, o_out: torch.Tensor, lse_out: torch.Tensor,
@@ -63,12 +65,14 @@ def _launch(o3: torch.Tensor, lse2: torch.Tensor, o_out: torch.Tensor, lse_out: 
     P, R, D = o3.shape
     if R == 0:
         return
-    BLOCK_D = triton.next_power_of_2(D)
+    # merge_into updates lse_acc in place: one program per row, or a chunk's write of the new
+    # LSE could race with another chunk's read of the old one.
+    BLOCK_D = triton.next_power_of_2(D) if has_acc else min(triton.next_power_of_2(D), 32)
     BLOCK_P = max(1, min(triton.next_power_of_2(P), 4096 // BLOCK_D))
-    _merge_kernel[(R,)](
+    _merge_kernel[(R, triton.cdiv(D, BLOCK_D))](
         o3, lse2, o_out, lse_out, P, D,
         o3.stride(0), o3.stride(1), lse2.stride(0), lse2.stride(1), o_out.stride(0),
-        HAS_ACC=has_acc, BLOCK_P=BLOCK_P, BLOCK_D=BLOCK_D, num_warps=1 if D <= 64 else 2,
+        HAS_ACC=has_acc, BLOCK_P=BLOCK_P, BLOCK_D=BLOCK_D, num_warps=2,
     )
 
 

@@ -31,8 +31,39 @@ ROOT = Path(__file__).resolve().parents[1]
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
+_FLUSH: list[torch.Tensor] = []
+
+
 def bench_ms(fn: Callable[[], object], cfg: DictConfig) -> float:
-    return triton.testing.do_bench(fn, warmup=cfg.warmup_ms, rep=cfg.rep_ms, return_mode="median")
+    """Median ms of fn over repetitions, each starting with a cold L2.
+
+    Like triton.testing.do_bench, but the L2 is flushed by *reading* a buffer larger than it,
+    not by a memset: a memset leaves the L2 full of dirty lines, and writing them back to HBM
+    lands inside the next timed region (~13 µs on an H200, a large share of a decode step).
+    """
+    if not _FLUSH:
+        _FLUSH.append(torch.ones(128 << 20, dtype=torch.float32, device="cuda"))  # 512 MiB
+    flush = _FLUSH[0]
+
+    def one() -> tuple[torch.cuda.Event, torch.cuda.Event]:
+        flush.sum()  # read-only: leaves only clean lines in the L2
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        return start, end
+
+    fn()
+    torch.cuda.synchronize()
+    s, e = one()
+    torch.cuda.synchronize()
+    est = max(s.elapsed_time(e), 1e-3)
+    for _ in range(max(1, int(cfg.warmup_ms / est))):
+        one()
+    events = [one() for _ in range(max(5, min(2000, int(cfg.rep_ms / est))))]
+    torch.cuda.synchronize()
+    times = sorted(s.elapsed_time(e) for s, e in events)
+    return times[len(times) // 2]
 
 
 def graph_ms(fn: Callable[[], object], cfg: DictConfig) -> float:
