@@ -1,5 +1,5 @@
 # make test : create .venv if missing, install longctx with its test deps, run the suite on CPU.
-# make demo : same set-up, then run the main example.
+# make demo : same set-up, then decode with the embedded tiny model on the CPU (launch/decode.py).
 # Where python3 can already import torch (a GPU machine), .venv reuses that torch; otherwise a
 # CPU build of torch is installed (never a multi-GB CUDA download).
 PYTHON ?= python3
@@ -29,7 +29,7 @@ test: setup
 	$(PY) -m pytest -q
 
 demo: setup
-	$(PY) launch/demo_merge.py
+	$(PY) launch/decode.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

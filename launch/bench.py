@@ -22,38 +22,13 @@ from pathlib import Path
 import hydra
 import torch
 import triton
-import triton.language as tl
 from omegaconf import DictConfig, OmegaConf
 
 import longctx
+from longctx.kernels.bandwidth import read_bandwidth
 
 ROOT = Path(__file__).resolve().parents[1]
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-
-
-# ---------------------------------------------------------------- the physical floor
-@triton.jit
-def _read_kernel(X, OUT, N, BLOCK: tl.constexpr, ITERS: tl.constexpr):
-    # Each program streams ITERS blocks and writes one number: pure HBM reads.
-    base = tl.program_id(0).to(tl.int64) * BLOCK * ITERS
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for i in range(ITERS):
-        offs = base + i * BLOCK + tl.arange(0, BLOCK)
-        acc += tl.load(X + offs, mask=offs < N, other=0.0).to(tl.float32)
-    tl.store(OUT + tl.program_id(0), tl.sum(acc, axis=0))
-
-
-def read_bandwidth(nbytes: int = 4 << 30) -> float:
-    """HBM read bandwidth (bytes/s) of a streaming read kernel over `nbytes` (>> L2)."""
-    x = torch.randn(nbytes // 2, device="cuda", dtype=torch.float16)
-    BLOCK, ITERS = 4096, 16
-    grid = triton.cdiv(x.numel(), BLOCK * ITERS)
-    out = torch.empty(grid, device="cuda", dtype=torch.float32)
-    ms = triton.testing.do_bench(lambda: _read_kernel[(grid,)](x, out, x.numel(), BLOCK=BLOCK,
-                                                               ITERS=ITERS, num_warps=8),
-                                 warmup=50, rep=300, return_mode="median")
-    del x
-    return nbytes / (ms * 1e-3)
 
 
 _FLUSH: list[torch.Tensor] = []

@@ -1,0 +1,132 @@
+"""Model hyper-parameters (one dataclass; the named presets are configs/model/*.yaml) and the
+validation of a decode run's config (configs/decode.yaml)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """Llama architecture: RMSNorm, rotary embeddings, GQA attention, SwiGLU MLP, untied
+    embedding and LM head, no biases. Validated on construction (ValueError naming the field)."""
+
+    n_layers: int  # transformer blocks
+    dim: int  # hidden size
+    n_heads: int  # query heads
+    n_kv_heads: int  # key/value heads; n_heads is a multiple (GQA, MQA)
+    intermediate_size: int  # SwiGLU MLP hidden size
+    vocab_size: int  # token ids are in [0, vocab_size)
+    head_dim: int | None = None  # per-head size; None means dim // n_heads
+    rope_theta: float = 10000.0  # rotary embedding base
+    norm_eps: float = 1e-5  # RMSNorm epsilon
+    name: str = "custom"  # preset name, for reports
+
+    def __post_init__(self) -> None:
+        for f in ("n_layers", "dim", "n_heads", "n_kv_heads", "intermediate_size", "vocab_size"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"model.{f} must be a positive integer, got {v!r}")
+        if self.head_dim is None:
+            if self.dim % self.n_heads:
+                raise ValueError(f"model.dim ({self.dim}) is not a multiple of model.n_heads "
+                                 f"({self.n_heads}); set model.head_dim")
+            object.__setattr__(self, "head_dim", self.dim // self.n_heads)
+        d = self.head_dim
+        # The attention kernels take power-of-two head sizes in [16, 256] (longctx.checks).
+        if not isinstance(d, int) or d < 16 or d > 256 or d & (d - 1):
+            raise ValueError(f"model.head_dim must be a power of two in [16, 256], got {d!r}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"model.n_heads ({self.n_heads}) must be a multiple of "
+                             f"model.n_kv_heads ({self.n_kv_heads})")
+        if not self.rope_theta > 0 or not self.norm_eps > 0:
+            raise ValueError(f"model.rope_theta ({self.rope_theta}) and model.norm_eps "
+                             f"({self.norm_eps}) must be positive")
+
+    @classmethod
+    def from_config(cls, node: Mapping[str, Any]) -> "ModelArgs":
+        """From a config's `model` node (configs/model/*.yaml); keys that are not fields (such
+        as `checkpoint`) are ignored, unknown spellings of fields are not."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: v for k, v in node.items() if k in names}
+        missing = [f.name for f in dataclasses.fields(cls)
+                   if f.default is dataclasses.MISSING and f.name not in kwargs]
+        if missing:
+            raise ValueError(f"the model config lacks {', '.join('model.' + m for m in missing)}")
+        return cls(**kwargs)
+
+    @classmethod
+    def from_hf_config(cls, path: str | Path) -> "ModelArgs":
+        """From a Hugging Face Llama config.json (transformers 4.x or 5.x spelling)."""
+        path = Path(path)
+        c = json.loads(path.read_text())
+        if c.get("model_type") != "llama":
+            raise ValueError(f"{path}: model_type must be 'llama', got {c.get('model_type')!r}")
+        # transformers 5 writes rope_parameters; 4.x wrote rope_theta and rope_scaling.
+        rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ValueError(f"{path}: rope scaling ({rope_type!r}) is not supported, only plain RoPE")
+        if c.get("attention_bias") or c.get("mlp_bias") or c.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"{path}: biases and activations other than silu are not supported")
+        return cls(
+            n_layers=c["num_hidden_layers"], dim=c["hidden_size"], n_heads=c["num_attention_heads"],
+            n_kv_heads=c.get("num_key_value_heads") or c["num_attention_heads"],
+            head_dim=c.get("head_dim"), intermediate_size=c["intermediate_size"],
+            vocab_size=c["vocab_size"],
+            rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
+            norm_eps=float(c.get("rms_norm_eps", 1e-6)), name=path.parent.name,
+        )
+
+    def num_params(self) -> int:
+        """Parameter count (embedding and LM head included)."""
+        attn = self.dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
+        layer = attn + 3 * self.dim * self.intermediate_size + 2 * self.dim
+        return self.n_layers * layer + 2 * self.vocab_size * self.dim + self.dim
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`dtype` config value -> torch dtype; 'auto' is bfloat16 on CUDA, float32 elsewhere."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be auto or one of {', '.join(DTYPES)}, got {name!r}")
+    return DTYPES[name]
+
+
+def check_decode_config(cfg: Mapping[str, Any]) -> None:
+    """Validate the run fields of configs/decode.yaml (the model node is checked by ModelArgs,
+    the parallel degrees by longctx.parallel.ParallelDims). ValueError states the numbers."""
+    def positive_int(key: str, v: Any, least: int = 1) -> None:
+        if not isinstance(v, int) or isinstance(v, bool) or v < least:
+            raise ValueError(f"{key} must be an integer >= {least}, got {v!r}")
+
+    if cfg.get("prompt") is None:
+        positive_int("context_len", cfg["context_len"])
+    elif not isinstance(cfg["prompt"], str) or not cfg["prompt"]:
+        raise ValueError(f"prompt must be a non-empty string or null, got {cfg['prompt']!r}")
+    elif not cfg["model"].get("checkpoint"):
+        raise ValueError("prompt needs model.checkpoint: the text is tokenized with the "
+                         "checkpoint's tokenizer.json")
+    # One token comes from the prefill; at least one decode step is timed.
+    positive_int("gen_len", cfg["gen_len"], least=2)
+    positive_int("batch", cfg["batch"])
+    if cfg["dtype"] != "auto" and cfg["dtype"] not in DTYPES:
+        raise ValueError(f"dtype must be auto or one of {', '.join(DTYPES)}, got {cfg['dtype']!r}")
+    s = cfg["sampling"]
+    if not isinstance(s["temperature"], (int, float)) or s["temperature"] < 0:
+        raise ValueError(f"sampling.temperature must be >= 0 (0 = greedy), got {s['temperature']!r}")
+    if not isinstance(s["top_p"], (int, float)) or not 0 < s["top_p"] <= 1:
+        raise ValueError(f"sampling.top_p must be in (0, 1], got {s['top_p']!r}")
+    mem = cfg.get("memory_gb")
+    if mem is not None and (not isinstance(mem, (int, float)) or mem <= 0):
+        raise ValueError(f"memory_gb must be a positive number of GiB or null, got {mem!r}")

@@ -1,0 +1,136 @@
+"""Generation: prefill a batch of prompts, then decode token by token from static buffers.
+
+On CUDA the whole decode step (every layer, the collectives that parallelism added, sampling,
+advancing the position) is captured once in a CUDA graph and replayed; the host never waits on a
+token. Elsewhere the same step runs eagerly.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+from longctx.model import Transformer
+
+
+def sample(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0) -> torch.Tensor:
+    """Next token per row of logits [B, V] float32 -> [B] int64.
+
+    temperature 0 is greedy (argmax). Otherwise sample softmax(logits / temperature), restricted
+    to the smallest set of tokens whose probability reaches top_p. Draws use the default
+    generator through exponential noise (argmax(p / E), E ~ Exp(1), samples p): no host sync,
+    capturable in a CUDA graph, identical on ranks seeded alike.
+    """
+    if temperature <= 0:
+        return logits.argmax(dim=-1)
+    probs = torch.softmax(logits / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        # Drop a token when the tokens ranked above it already reach top_p (the first stays).
+        drop = sorted_p.cumsum(dim=-1) - sorted_p >= top_p
+        probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
+    noise = torch.empty_like(probs).exponential_(1)
+    return (probs / noise).argmax(dim=-1)
+
+
+class DecodeStep:
+    """One decode step over static buffers: feed `tokens` [B] at `pos` [B], sample the next
+    token into column `col` of `out` [B, gen_len], advance. On CUDA it is captured in a graph."""
+
+    def __init__(self, model: Transformer, first: torch.Tensor, prompt_len: int, gen_len: int,
+                 temperature: float, top_p: float, cuda_graph: bool) -> None:
+        B, dev = first.shape[0], first.device
+        self.model, self.temperature, self.top_p = model, temperature, top_p
+        self.tokens = first.clone()                                    # [B] int64
+        self.pos = torch.full((B,), prompt_len, dtype=torch.int64, device=dev)  # [B] int64
+        self.out = torch.zeros(B, gen_len, dtype=torch.int64, device=dev)
+        self.out[:, 0] = first
+        self.col = torch.ones(1, dtype=torch.int64, device=dev)       # [1] next column of out
+        self.graph = None
+        if cuda_graph and dev.type == "cuda":
+            self._capture()
+
+    def _step(self) -> None:
+        logits = self.model.decode_step(self.tokens, self.pos)
+        nxt = sample(logits, self.temperature, self.top_p)
+        self.out.index_copy_(1, self.col, nxt[:, None])
+        self.tokens.copy_(nxt)
+        self.pos.add_(1)
+        self.col.add_(1)
+
+    def _capture(self) -> None:
+        # Warm-up runs (allocator, NCCL communicators, Triton compilation) on a side stream, as
+        # graph capture requires; each is undone so that the buffers start where they were. The
+        # K/V it wrote at the first decode position is overwritten by the first real step.
+        state = [t.clone() for t in (self.tokens, self.pos, self.col)]
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):
+                self._step()
+                for t, saved in zip((self.tokens, self.pos, self.col), state):
+                    t.copy_(saved)
+        torch.cuda.current_stream().wait_stream(s)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self._step()
+
+    def __call__(self) -> None:
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self._step()
+
+
+@dataclass
+class Generation:
+    tokens: torch.Tensor  # [B, gen_len] int64 on the CPU; column 0 comes from the prefill
+    prefill_s: float  # wall time of the prefill (first token included)
+    step_s: list[float]  # time of each of the gen_len - 1 decode steps
+
+
+def generate(model: Transformer, prompt: torch.Tensor, gen_len: int, *, temperature: float = 0.0,
+             top_p: float = 1.0, cuda_graph: bool = True, progress: bool = False) -> Generation:
+    """Prefill `prompt` [B, P] int64 (on the model's device), then decode gen_len - 1 steps.
+
+    The model's caches must hold P + gen_len - 1 positions. `progress` shows a tqdm bar on stderr
+    when it is a terminal.
+    """
+    B, P = prompt.shape
+    cuda = prompt.device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    with torch.no_grad():
+        sync()
+        t0 = time.perf_counter()
+        logits = model.prefill(prompt, torch.arange(P, device=prompt.device))
+        first = sample(logits, temperature, top_p)
+        sync()
+        prefill_s = time.perf_counter() - t0
+
+        step = DecodeStep(model, first, P, gen_len, temperature, top_p, cuda_graph)
+        n = gen_len - 1
+        bar = tqdm(total=n, desc="decode", unit="tok", disable=None if progress else True)
+        if cuda:
+            # Queue every step with an event between steps, then follow the events: the GPU
+            # never waits for the host, and the bar still moves with the GPU.
+            events = [torch.cuda.Event(enable_timing=True) for _ in range(n + 1)]
+            for i in range(n):
+                events[i].record()
+                step()
+            events[n].record()
+            for ev in events[1:]:
+                ev.synchronize()
+                bar.update(1)
+            step_s = [a.elapsed_time(b) / 1e3 for a, b in zip(events[:-1], events[1:])]
+        else:
+            marks = [time.perf_counter()]
+            for _ in range(n):
+                step()
+                marks.append(time.perf_counter())
+                bar.update(1)
+            step_s = [b - a for a, b in zip(marks[:-1], marks[1:])]
+        bar.close()
+        return Generation(step.out.cpu(), prefill_s, step_s)

@@ -1,0 +1,41 @@
+"""What the machine offers a decode run: free memory per device and its read bandwidth."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes this rank may allocate: free memory of a CUDA device; on a CPU, the host's available
+    memory divided among the ranks on this host (torchrun's LOCAL_WORLD_SIZE)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return avail // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def read_bandwidth(device: torch.device) -> tuple[float, str]:
+    """(bytes/s, what was measured). CUDA: HBM read bandwidth of a streaming read kernel, the
+    physical floor for decode. CPU: a memcpy of 128 MiB, counting the bytes read; only a rough
+    yardstick, not a physical limit."""
+    if device.type == "cuda":
+        from longctx.kernels.bandwidth import read_bandwidth as hbm_read_bandwidth
+
+        with torch.cuda.device(device):
+            return hbm_read_bandwidth(2 << 30), "HBM read bandwidth (streaming read kernel, 2 GiB)"
+    src = torch.ones(32 << 20, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # fault the pages in
+    t0 = time.perf_counter()
+    reps = 5
+    for _ in range(reps):
+        dst.copy_(src)
+    s = time.perf_counter() - t0
+    return reps * src.nbytes / s, "CPU memcpy read rate (128 MiB), not a physical limit"

@@ -1,0 +1,206 @@
+"""Llama decoder with a static KV cache: prefill through `longctx.attention`, decode through
+`longctx.decode`.
+
+The model holds no parallel code: longctx.parallel slices its weights, adds collectives and swaps
+its KV cache class after it is built (as gpt-fast and torchtitan do). Module and parameter names
+mirror Hugging Face's LlamaForCausalLM without the `model.` prefix, so checkpoints load by name.
+
+    model = Transformer(args)                    # or on the meta device, then load weights
+    model.setup_caches(batch=2, max_seq_len=4096)
+    logits = model.prefill(tokens, torch.arange(S))             # [B, V] float32, last position
+    logits = model.decode_step(next_tokens, torch.full((B,), S))  # [B, V] float32
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from longctx.attention import attention
+from longctx.config import ModelArgs
+from longctx.decode import decode
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32, scale in the model's dtype (as the reference Llama does).
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_tables(max_seq_len: int, head_dim: int, theta: float,
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [max_seq_len, head_dim] float32 for the rotate-half convention (Hugging Face)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device)
+                               / head_dim)
+    freqs = torch.outer(torch.arange(max_seq_len, dtype=torch.float32, device=device), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, S, H, D] rotated by absolute positions; cos/sin broadcast to it, float32."""
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    return (xf * cos + torch.cat((-x2, x1), dim=-1) * sin).to(x.dtype)
+
+
+class KVCache(nn.Module):
+    """One layer's static KV cache and the attention over it.
+
+    k_cache, v_cache: [B, S_max, Hkv, D]; position p of sequence b lives at [b, p]. Preallocated
+    once (the decode step reads and writes fixed buffers, so it can be captured in a CUDA graph).
+    longctx.parallel replaces this class to shard the cache by position.
+    """
+
+    def __init__(self, batch: int, max_seq_len: int, n_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        shape = (batch, max_seq_len, n_kv_heads, head_dim)
+        self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("batch_idx", torch.arange(batch, device=device), persistent=False)
+
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                input_pos: torch.Tensor) -> torch.Tensor:
+        """Store k/v and attend causally over the cache up to the chunk's end.
+
+        q [B, S, Hq, D], k/v [B, S, Hkv, D] (rotated); input_pos [S] int64, contiguous positions
+        (a chunk after earlier ones attends to them too). Returns o [B, S, Hq, D].
+        """
+        start = int(input_pos[0])  # prefill runs eagerly; one host read per layer
+        end = start + q.shape[1]
+        if end > self.k_cache.shape[1]:
+            raise ValueError(f"prefill up to position {end} exceeds the KV cache capacity "
+                             f"({self.k_cache.shape[1]})")
+        self.k_cache[:, start:end] = k
+        self.v_cache[:, start:end] = v
+        return attention(q, self.k_cache[:, :end], self.v_cache[:, :end], causal=True, q_start=start)
+
+    def decode_at(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot: torch.Tensor,
+                  cache_seqlens: torch.Tensor, return_lse: bool = False):
+        """Write each sequence's new k/v [B, Hkv, D] at cache slot [B] and run `decode` over the
+        first cache_seqlens [B] int32 entries. q [B, Hq, D] -> o [B, Hq, D] (and lse [B, Hq])."""
+        self.k_cache[self.batch_idx, slot] = k
+        self.v_cache[self.batch_idx, slot] = v
+        return decode(q, self.k_cache, self.v_cache, cache_seqlens=cache_seqlens,
+                      return_lse=return_lse)
+
+    def decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               input_pos: torch.Tensor) -> torch.Tensor:
+        """One token per sequence at position input_pos [B] int64. q [B, Hq, D] -> [B, Hq, D]."""
+        return self.decode_at(q, k, v, input_pos, (input_pos + 1).to(torch.int32))
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.head_dim = args.head_dim
+        self.q_proj = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.k_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.v_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.o_proj = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.kv_cache: KVCache | None = None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                input_pos: torch.Tensor, decoding: bool) -> torch.Tensor:
+        B, S, _ = x.shape
+        # Head counts come from the weights' shapes: tensor parallelism slices them.
+        q = apply_rope(self.q_proj(x).view(B, S, -1, self.head_dim), cos, sin)
+        k = apply_rope(self.k_proj(x).view(B, S, -1, self.head_dim), cos, sin)
+        v = self.v_proj(x).view(B, S, -1, self.head_dim)
+        if decoding:
+            o = self.kv_cache.decode(q[:, 0], k[:, 0], v[:, 0], input_pos)[:, None]
+        else:
+            o = self.kv_cache.prefill(q, k, v, input_pos)
+        return self.o_proj(o.reshape(B, S, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(args.dim, args.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(args.dim, args.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(args.intermediate_size, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.dim, args.norm_eps)
+        self.self_attn = Attention(args)
+        self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
+        self.mlp = MLP(args)
+
+    def forward(self, x, cos, sin, input_pos, decoding: bool) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, input_pos, decoding)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+CacheFactory = Callable[[int, int, int, int, torch.dtype, torch.device], KVCache]
+
+
+class Transformer(nn.Module):
+    """Llama decoder. Build, load weights, `setup_caches`, then `prefill` and `decode_step`."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        # Weights come from longctx.weights; `_weight` skips nn.Embedding's default init (which
+        # on the meta device costs seconds of imports).
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.dim,
+                                         _weight=torch.empty(args.vocab_size, args.dim))
+        self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
+        # (batch, max_seq_len, n_kv_heads, head_dim, dtype, device) -> a layer's cache.
+        self.make_cache: CacheFactory = KVCache
+        self.max_seq_len = 0
+
+    def setup_caches(self, batch: int, max_seq_len: int) -> None:
+        """Allocate every layer's KV cache and the RoPE tables on the weights' device and dtype."""
+        w = self.lm_head.weight
+        hd = self.args.head_dim
+        for layer in self.layers:
+            attn = layer.self_attn
+            attn.kv_cache = self.make_cache(batch, max_seq_len, attn.k_proj.weight.shape[0] // hd,
+                                            hd, w.dtype, w.device)
+        cos, sin = rope_tables(max_seq_len, hd, self.args.rope_theta, w.device)
+        self.register_buffer("rope_cos", cos, persistent=False)  # [max_seq_len, D] float32
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.max_seq_len = max_seq_len
+
+    def _run(self, tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+             input_pos: torch.Tensor, decoding: bool) -> torch.Tensor:
+        x = self.embed_tokens(tokens)
+        for layer in self.layers:
+            x = layer(x, cos, sin, input_pos, decoding)
+        return x
+
+    def prefill(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+        """tokens [B, S] int64 at absolute positions input_pos [S] int64 -> logits [B, V]
+        float32 of the last row (the next-token distribution after the chunk)."""
+        if self.max_seq_len == 0:
+            raise RuntimeError("call setup_caches() before prefill()")
+        cos, sin = self.rope_cos[input_pos][None, :, None], self.rope_sin[input_pos][None, :, None]
+        x = self._run(tokens, cos, sin, input_pos, decoding=False)
+        return self.lm_head(self.norm(x[:, -1])).float()
+
+    def decode_step(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+        """tokens [B] int64 at positions input_pos [B] int64 -> logits [B, V] float32.
+        Reads and writes only fixed buffers: capturable in a CUDA graph."""
+        cos, sin = self.rope_cos[input_pos][:, None, None], self.rope_sin[input_pos][:, None, None]
+        x = self._run(tokens[:, None], cos, sin, input_pos, decoding=True)
+        return self.lm_head(self.norm(x[:, 0])).float()

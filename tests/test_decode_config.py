@@ -1,0 +1,110 @@
+"""configs/decode.yaml and the model presets compose; bad configs and runs that cannot fit fail
+with messages that state the numbers."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from longctx.config import ModelArgs, check_decode_config
+from longctx.parallel.memory import GiB, check_memory, estimate_memory
+from longctx.parallel.mesh import ParallelDims
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+PRESETS = sorted(p.stem for p in (CONFIGS / "model").glob("*.yaml"))
+
+
+def _compose(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        return compose("decode", overrides=list(overrides))
+
+
+def test_presets_exist():
+    assert {"tiny", "codellama34b", "llama2_7b", "llama3_8b"} <= set(PRESETS)
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_every_model_preset_composes(name):
+    cfg = _compose(f"+model={name}", "parallel.tp=2")
+    assert cfg.model.name == name and cfg.parallel.tp == 2
+    check_decode_config(cfg)
+    args = ModelArgs.from_config(cfg.model)
+    # The preset replaces the whole default (tiny) node: its keys and nothing else.
+    preset = OmegaConf.load(CONFIGS / "model" / f"{name}.yaml")
+    assert OmegaConf.to_container(cfg.model) == OmegaConf.to_container(preset)
+    assert args.name == name
+
+
+def test_default_model_is_the_tiny_preset():
+    assert OmegaConf.to_container(_compose().model) == OmegaConf.to_container(
+        OmegaConf.load(CONFIGS / "model" / "tiny.yaml"))
+
+
+def test_codellama34b_has_the_published_hyperparameters():
+    a = ModelArgs.from_config(_compose("+model=codellama34b").model)
+    assert (a.n_layers, a.dim, a.n_heads, a.n_kv_heads, a.head_dim, a.intermediate_size,
+            a.vocab_size, a.rope_theta, a.norm_eps) == (48, 8192, 64, 8, 128, 22016, 32000, 1e6, 1e-5)
+    assert round(a.num_params() / 1e9, 1) == 33.7
+
+
+@pytest.mark.parametrize("override,match", [
+    ("gen_len=1", r"gen_len must be an integer >= 2, got 1"),
+    ("batch=0", r"batch must be an integer >= 1, got 0"),
+    ("context_len=-3", r"context_len must be an integer >= 1, got -3"),
+    ("dtype=fp8", r"dtype must be auto or one of .*, got 'fp8'"),
+    ("sampling.top_p=0", r"sampling.top_p must be in \(0, 1\], got 0"),
+    ("sampling.temperature=-1", r"sampling.temperature must be >= 0"),
+    ("memory_gb=-2", r"memory_gb must be a positive number"),
+    ("prompt=hello", r"prompt needs model.checkpoint"),
+])
+def test_bad_run_config(override, match):
+    with pytest.raises(ValueError, match=match):
+        check_decode_config(_compose(override))
+
+
+def test_bad_model_and_parallel_config():
+    tiny = ModelArgs.from_config(_compose().model)
+    with pytest.raises(ValueError, match=r"parallel.tp \(2\) x parallel.sp \(3\) = 6 must equal "
+                                         r"the world size \(4"):
+        ParallelDims(2, 3, 4)
+    with pytest.raises(ValueError, match=r"parallel.sp must be a positive integer, got 0"):
+        ParallelDims(1, 0, 1)
+    with pytest.raises(ValueError, match=r"model.n_heads \(4\) must be divisible by parallel.tp \(8\)"):
+        ParallelDims(8, 1, 8).check_model(tiny)
+    odd_kv = ModelArgs(n_layers=1, dim=96, n_heads=6, n_kv_heads=3, head_dim=16,
+                       intermediate_size=64, vocab_size=64)
+    with pytest.raises(ValueError, match=r"parallel.tp \(2\) must divide model.n_kv_heads \(3\) "
+                                         r"or be a multiple of it"):
+        ParallelDims(2, 1, 2).check_model(odd_kv)
+    ParallelDims(4, 1, 4).check_model(ModelArgs(  # tp > KV heads: replicated, allowed
+        n_layers=1, dim=64, n_heads=4, n_kv_heads=2, head_dim=16, intermediate_size=64,
+        vocab_size=64))
+    with pytest.raises(ValueError, match=r"model.head_dim must be a power of two in \[16, 256\], got 24"):
+        ModelArgs(n_layers=1, dim=96, n_heads=4, n_kv_heads=2, intermediate_size=64, vocab_size=64)
+    with pytest.raises(ValueError, match=r"model.n_heads \(6\) must be a multiple of model.n_kv_heads \(4\)"):
+        ModelArgs(n_layers=1, dim=96, n_heads=6, n_kv_heads=4, head_dim=16, intermediate_size=64,
+                  vocab_size=64)
+    with pytest.raises(ValueError, match=r"the model config lacks model.vocab_size"):
+        ModelArgs.from_config({"n_layers": 1, "dim": 64, "n_heads": 4, "n_kv_heads": 4,
+                               "intermediate_size": 64})
+
+
+def test_memory_check_states_needed_available_and_layouts_that_fit():
+    args = ModelArgs.from_config(_compose("+model=codellama34b").model)
+    kw = dict(batch=1, prompt_len=65536, max_seq_len=65536 + 128, dtype=torch.bfloat16,
+              device_type="cuda")
+    est = estimate_memory(args, tp=1, sp=1, **kw)
+    # 33.7B bf16 parameters; 48 layers x 2 x 8 KV heads x 128 x 2 bytes = 192 KiB per position.
+    assert abs(est.weights / 1e9 - 2 * 33.74) < 0.1
+    assert est.kv_cache == 2 * 48 * (65536 + 128) * 8 * 128 * 2
+    with pytest.raises(ValueError) as e:
+        check_memory(args, tp=1, sp=1, available=int(80 * GiB), where="cuda:0", **kw)
+    msg = str(e.value)
+    assert f"needs about {est.total / GiB:.2f} GiB per device" in msg
+    assert "but cuda:0 has 80.00 GiB available" in msg
+    assert "parallel.tp=2 parallel.sp=1" in msg and "--nproc_per_node=2" in msg
+    assert check_memory(args, tp=4, sp=2, available=int(80 * GiB), where="cuda:0", **kw).total < 80 * GiB
+    with pytest.raises(ValueError, match="No tp x sp layout up to 64 devices fits"):
+        check_memory(args, tp=1, sp=1, available=GiB, where="cuda:0", **kw)

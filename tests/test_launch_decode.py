@@ -1,0 +1,73 @@
+"""launch/decode.py end to end, as a user runs it (subprocesses): on the CPU, or on a GPU where
+there is one (CUDA graphs, NCCL)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from longctx.config import ModelArgs
+from tests.checkpoint_utils import write_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # a tiny model: threads only contend
+
+
+def _run(tmp_path: Path, *overrides: str, nproc: int = 1) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(ROOT / "launch" / "decode.py")]
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={nproc}", str(ROOT / "launch" / "decode.py")]
+    return subprocess.run([*cmd, f"output={tmp_path / 'runs'}", *overrides], cwd=tmp_path,
+                          env=ENV, capture_output=True, text=True, timeout=240)
+
+
+def _summary(tmp_path: Path) -> tuple[Path, dict]:
+    (run_dir,) = (tmp_path / "runs").iterdir()  # exactly one directory per run
+    return run_dir, json.loads((run_dir / "summary.json").read_text())
+
+
+def test_default_run_is_the_tiny_model(tmp_path):
+    r = _run(tmp_path)
+    assert r.returncode == 0, r.stderr
+    run_dir, s = _summary(tmp_path)
+    assert {p.name for p in run_dir.iterdir()} == {"summary.json", "config.yaml", "rank0.log"}
+    cuda = torch.cuda.is_available()
+    assert (s["model"], s["dtype"], s["prompt_len"], s["decode_steps"], s["cuda_graphs"]) == (
+        "tiny", "bfloat16" if cuda else "float32", 1024, 31, cuda)
+    assert len(s["tokens"]) == 32 and s["decode_tokens_per_s"] > 0
+    assert s["ms_per_token_p90"] >= s["ms_per_token_p50"] > 0
+    assert s["bytes_per_step"]["total"] > s["bytes_per_step"]["weights"] > 0
+    assert 0 < s["pct_of_bandwidth_limit"]
+    assert ("HBM" if cuda else "CPU memcpy") in s["read_bandwidth_measured_as"]
+    assert "tokens/s" in r.stdout and "% of 1 x" in r.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2,
+                    reason="on a CUDA machine each of the 2 ranks needs its own GPU")
+def test_torchrun_sequence_parallel_with_checkpoint_and_text_prompt(tmp_path):
+    args = ModelArgs(n_layers=2, dim=64, n_heads=4, n_kv_heads=2, head_dim=16,
+                     intermediate_size=96, vocab_size=64, name="ckpt")
+    write_checkpoint(tmp_path / "ckpt", args)
+    r = _run(tmp_path, f"model.checkpoint={tmp_path / 'ckpt'}", "prompt='hello world the cache'",
+             "gen_len=4", "batch=2", "parallel.sp=2", nproc=2)
+    assert r.returncode == 0, r.stderr
+    run_dir, s = _summary(tmp_path)
+    assert {"rank0.log", "rank1.log"} <= {p.name for p in run_dir.iterdir()}
+    assert (s["world_size"], s["sp"], s["prompt_len"], s["batch"]) == (2, 2, 4, 2)
+    assert isinstance(s["text"], str) and len(s["tokens"]) == 4
+    assert r.stdout.count("run directory") == 1  # the console shows rank 0 only
+
+
+def test_run_that_cannot_fit_stops_with_needed_vs_available(tmp_path):
+    r = _run(tmp_path, "memory_gb=0.01")
+    assert r.returncode != 0
+    assert "not enough memory: this run needs about" in r.stderr
+    assert "has 0.01 GiB available" in r.stderr
+    assert "Traceback" in r.stderr  # errors are not swallowed
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert "not enough memory" in (run_dir / "rank0.log").read_text()

@@ -1,0 +1,141 @@
+"""The Llama model against Hugging Face transformers, checkpoint loading, and sampling."""
+
+import json
+
+import pytest
+import torch
+
+from longctx.config import ModelArgs
+from longctx.generate import generate, sample
+from longctx.parallel.build import build_model
+from longctx.weights import HFCheckpoint, RandomWeights, Shard
+
+
+def _hf_model(tmp_path, max_shard_size):
+    transformers = pytest.importorskip("transformers", reason="the reference (test extra)")
+    cfg = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=5e5,
+        rms_norm_eps=1e-6, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():  # norms too, so that loading them matters
+            p.copy_(torch.randn_like(p) * (0.3 if "norm" in name else 0.08) + ("norm" in name))
+    hf.save_pretrained(tmp_path, safe_serialization=True, max_shard_size=max_shard_size)
+    return hf
+
+
+@pytest.mark.parametrize("max_shard_size", ["60KB", "50GB"], ids=["sharded-index", "one-file"])
+def test_logits_match_transformers(tmp_path, max_shard_size):
+    hf = _hf_model(tmp_path, max_shard_size)
+    has_index = (tmp_path / "model.safetensors.index.json").is_file()
+    assert has_index == (max_shard_size == "60KB")
+    ckpt = HFCheckpoint(tmp_path)
+    args = ckpt.args()
+    assert (args.n_layers, args.dim, args.n_heads, args.n_kv_heads, args.head_dim,
+            args.rope_theta, args.norm_eps) == (2, 64, 4, 2, 16, 5e5, 1e-6)
+    B, P, steps = 2, 11, 4
+    model = build_model(args, weights=ckpt, device="cpu", dtype=torch.float32, batch=B,
+                        max_seq_len=P + steps)
+    tokens = torch.randint(0, 128, (B, P + steps), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        got = [model.prefill(tokens[:, :P], torch.arange(P))]
+        for i in range(P, P + steps - 1):
+            got.append(model.decode_step(tokens[:, i], torch.full((B,), i)))
+        for n, logits in zip(range(P, P + steps), got):
+            want = hf(tokens[:, :n]).logits[:, -1].float()
+            torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
+    assert got[0].std() > 0.5  # the comparison is not between near-constant logits
+
+
+def test_checkpoint_errors(tmp_path):
+    with pytest.raises(ValueError, match="has no config.json"):
+        HFCheckpoint(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ValueError, match="neither model.safetensors"):
+        HFCheckpoint(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"model_type": "llama", "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}))
+    with pytest.raises(ValueError, match="rope scaling .'llama3'. is not supported"):
+        ModelArgs.from_hf_config(tmp_path / "config.json")
+
+
+@pytest.mark.parametrize("name,full", [("layers.0.mlp.up_proj.weight", (200, 70)),
+                                       ("layers.0.mlp.down_proj.weight", (70, 200))])
+def test_random_weights_any_slice_equals_the_slice_of_the_whole(name, full):
+    w = RandomWeights(seed=3)
+    whole = torch.empty(full)
+    w.read(name, full, None, whole)
+    for shard in (Shard(0, 63, 2, full[0]), Shard(0, 35, 35, full[0]), Shard(1, 0, 70, full[1]),
+                  Shard(1, 50, 20, full[1])):
+        part = torch.empty(whole.narrow(shard.dim, shard.start, shard.length).shape)
+        w.read(name, full, shard, part)
+        assert torch.equal(part, whole.narrow(shard.dim, shard.start, shard.length)), shard
+
+
+def test_random_weights_are_deterministic_and_generation_is_repeatable():
+    args = ModelArgs(n_layers=1, dim=64, n_heads=4, n_kv_heads=1, head_dim=16,
+                     intermediate_size=64, vocab_size=64)
+    a, b = (build_model(args, weights=RandomWeights(seed=5), device="cpu", dtype=torch.float32,
+                        batch=1, max_seq_len=8) for _ in range(2))
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(pa, pb), name
+    prompt = torch.randint(0, 64, (1, 1))  # a length-1 prompt
+    g = generate(a, prompt, 7)
+    assert g.tokens.shape == (1, 7) and len(g.step_s) == 6
+    assert torch.equal(generate(b, prompt, 7).tokens, g.tokens)
+
+
+def test_sample():
+    logits = torch.tensor([[0.0, 3.0, 2.5, -1.0], [5.0, 0.0, 0.0, 0.0]])
+    assert sample(logits).tolist() == [1, 0]
+    # top_p below the top token's probability keeps only that token.
+    for _ in range(20):
+        assert sample(logits, temperature=1.0, top_p=0.3).tolist() == [1, 0]
+    torch.manual_seed(0)
+    draws = torch.stack([sample(logits, temperature=1.0) for _ in range(400)])
+    freq = (draws[:, 0:1] == torch.arange(4)).float().mean(0)
+    torch.testing.assert_close(freq, torch.softmax(logits[0], -1), atol=0.07, rtol=0)
+
+
+def _small_model(device, batch=2, max_seq_len=40):
+    args = ModelArgs(n_layers=2, dim=64, n_heads=4, n_kv_heads=2, head_dim=16,
+                     intermediate_size=64, vocab_size=64)
+    return build_model(args, weights=RandomWeights(seed=1), device=device, dtype=torch.float32,
+                       batch=batch, max_seq_len=max_seq_len)
+
+
+def test_model_on_the_kernels_matches_the_reference_path(device):
+    """Prefill (in two chunks: the second attends to the cache) and decode through the Triton
+    kernels (the interpreter on CPU) give the logits of the CPU reference path."""
+    from longctx.backend import force_triton
+
+    ref, fast = _small_model("cpu"), _small_model(device)
+    tokens = torch.randint(0, 64, (2, 23), generator=torch.Generator().manual_seed(4))
+    tol = dict(rtol=1e-5, atol=1e-5) if device == "cpu" else dict(rtol=2e-3, atol=2e-3)  # tf32
+
+    def run(model, dev):
+        t = tokens.to(dev)
+        out = [model.prefill(t[:, :11], torch.arange(11, device=dev)),
+               model.prefill(t[:, 11:20], torch.arange(11, 20, device=dev))]
+        for i in range(20, 23):
+            out.append(model.decode_step(t[:, i], torch.full((2,), i, device=dev)))
+        return [o.cpu() for o in out]
+
+    with torch.no_grad():
+        want = run(ref, "cpu")
+        with force_triton(device == "cpu"):
+            got = run(fast, device)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, **tol)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_decode_matches_eager():
+    prompt = torch.randint(0, 64, (2, 17), device="cuda")
+    tokens = []
+    for graph in (False, True):
+        model = _small_model("cuda")
+        tokens.append(generate(model, prompt, 12, cuda_graph=graph).tokens)
+    assert torch.equal(tokens[0], tokens[1])
