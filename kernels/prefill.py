@@ -15,6 +15,9 @@ Features
   so they merge as "empty" partial results.
 * KV tiles that are fully masked are never visited; KV tiles that are fully
   visible run without any mask arithmetic, only the diagonal band is masked.
+* Q/K/V/O tiles move through tensor descriptors (``tl.make_tensor_descriptor``:
+  TMA bulk copies on Hopper, zero fill past a sequence's end), so no per-element
+  offset tensors live in registers.
 * Online softmax in fp32 using ``exp2`` with ``softmax_scale * log2(e)``
   folded into one multiplier; the returned LSE is the natural-log LSE.
 """
@@ -39,12 +42,11 @@ _LOG2E = 1.4426950408889634
 @triton.jit
 def _attn_fwd_step(
     acc, l_i, m_i, q,
-    k_tile, v_tile, k_offs, v_offs,
-    start_n, offs_m, offs_n, d_mask,
+    k_desc, v_desc,
+    start_n, offs_m, offs_n,
     delta, seqlen_k, qk_scale,
     MASKED: tl.constexpr,
     CAUSAL: tl.constexpr,
-    EVEN_D: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
     """Fold one KV tile (keys ``start_n + offs_n``) into the running softmax state.
@@ -53,8 +55,9 @@ def _attn_fwd_step(
     l_i:   [BLOCK_M] fp32 running softmax denominator.
     m_i:   [BLOCK_M] fp32 running max of ``score * scale * log2(e)`` (-inf = no key seen yet).
     q:     [BLOCK_M, BLOCK_D] query tile (input dtype).
-    k_tile / v_tile: scalar pointers to key ``start_n`` of this sequence / KV head.
-    k_offs: [BLOCK_D, BLOCK_N] int32 element offsets of the K^T tile; v_offs: [BLOCK_N, BLOCK_D] of V.
+    k_desc / v_desc: tensor descriptors of this sequence's keys / values of one KV head,
+        [seqlen_k, HEAD_DIM] with [BLOCK_N, BLOCK_D] blocks; rows and columns outside are
+        read as 0 (TMA bulk copies on Hopper).
     offs_m: [BLOCK_M] in-sequence query rows; offs_n: [BLOCK_N] = arange(BLOCK_N).
     delta:  q_start - k_start (only used when CAUSAL).
 
@@ -62,26 +65,13 @@ def _attn_fwd_step(
     so no mask and no -inf guard is needed (the hot path).
     MASKED=True: diagonal band and/or ragged KV tail.
     """
-    offs_k = start_n + offs_n
-    k_ptrs = k_tile + k_offs
-    v_ptrs = v_tile + v_offs
-    # ---- S = Q K^T ----------------------------------------------------------
-    if MASKED:
-        kv_in = offs_k < seqlen_k
-        if EVEN_D:
-            k = tl.load(k_ptrs, mask=kv_in[None, :], other=0.0)
-        else:
-            k = tl.load(k_ptrs, mask=kv_in[None, :] & d_mask[:, None], other=0.0)
-    else:
-        if EVEN_D:
-            k = tl.load(k_ptrs)
-        else:
-            k = tl.load(k_ptrs, mask=d_mask[:, None], other=0.0)
-    qk = tl.dot(q, k, input_precision=INPUT_PRECISION)
+    k = k_desc.load([start_n, 0])
+    qk = tl.dot(q, k.T, input_precision=INPUT_PRECISION)
 
     # ---- online softmax (base 2) ---------------------------------------------
     if MASKED:
-        keep = kv_in[None, :]
+        offs_k = start_n + offs_n
+        keep = (offs_k < seqlen_k)[None, :]
         if CAUSAL:
             # absolute-position rule: k_start + j <= q_start + i  <=>  j <= i + delta
             keep = keep & (offs_k[None, :] <= (offs_m[:, None] + delta))
@@ -101,16 +91,7 @@ def _attn_fwd_step(
     acc = acc * alpha[:, None]
 
     # ---- O += P V ---------------------------------------------------------------
-    if MASKED:
-        if EVEN_D:
-            v = tl.load(v_ptrs, mask=kv_in[:, None], other=0.0)
-        else:
-            v = tl.load(v_ptrs, mask=kv_in[:, None] & d_mask[None, :], other=0.0)
-    else:
-        if EVEN_D:
-            v = tl.load(v_ptrs)
-        else:
-            v = tl.load(v_ptrs, mask=d_mask[None, :], other=0.0)
+    v = v_desc.load([start_n, 0])
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=INPUT_PRECISION)
     return acc, l_i, m_new
 
@@ -118,47 +99,35 @@ def _attn_fwd_step(
 @triton.jit
 def _attn_fwd_inner(
     acc, l_i, m_i, q,
-    k_tile, v_tile, k_offs, v_offs,
-    stride_ks, stride_vs,
+    k_desc, v_desc,
     lo, hi,
-    offs_m, offs_n, d_mask,
+    offs_m, offs_n,
     delta, seqlen_k, qk_scale,
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,
     CAUSAL: tl.constexpr,
-    EVEN_D: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     INTERPRET: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr = False,
 ):
-    """Consume KV tiles ``[lo, hi)`` (``lo`` a multiple of BLOCK_N; pointers at key ``lo``).
-
-    Returns the updated (acc, l_i, m_i) and the pointers advanced to key
-    ``lo + ceil((hi - lo) / BLOCK_N) * BLOCK_N``.
-    """
+    """Consume KV tiles ``[lo, hi)`` (``lo`` a multiple of BLOCK_N); returns (acc, l_i, m_i)."""
     if INTERPRET:
         # The interpreter (numpy >= 2.4) cannot turn tensor-valued range bounds
         # into python ints; a while loop only needs bool(). Never compiled.
         start_n = lo
         while start_n < hi:
             acc, l_i, m_i = _attn_fwd_step(
-                acc, l_i, m_i, q, k_tile, v_tile, k_offs, v_offs, start_n, offs_m, offs_n, d_mask,
-                delta, seqlen_k, qk_scale, MASKED, CAUSAL, EVEN_D, INPUT_PRECISION)
-            k_tile += BLOCK_N * stride_ks
-            v_tile += BLOCK_N * stride_vs
+                acc, l_i, m_i, q, k_desc, v_desc, start_n, offs_m, offs_n,
+                delta, seqlen_k, qk_scale, MASKED, CAUSAL, INPUT_PRECISION)
             start_n += BLOCK_N
     else:
-        # scf.for with runtime bounds: software-pipelined by num_stages.
+        # scf.for with runtime bounds: software-pipelined by num_stages (TMA loads).
         for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
             start_n = tl.multiple_of(start_n, BLOCK_N)
             acc, l_i, m_i = _attn_fwd_step(
-                acc, l_i, m_i, q, k_tile, v_tile, k_offs, v_offs, start_n, offs_m, offs_n, d_mask,
-                delta, seqlen_k, qk_scale, MASKED, CAUSAL, EVEN_D, INPUT_PRECISION)
-            # Scalar pointer increments (not start_n * stride) keep offsets 64-bit
-            # safe, and only one scalar per operand is loop-carried (low register use).
-            k_tile += BLOCK_N * stride_ks
-            v_tile += BLOCK_N * stride_vs
-    return acc, l_i, m_i, k_tile, v_tile
+                acc, l_i, m_i, q, k_desc, v_desc, start_n, offs_m, offs_n,
+                delta, seqlen_k, qk_scale, MASKED, CAUSAL, INPUT_PRECISION)
+    return acc, l_i, m_i
 
 
 # Offsets and lengths change from call to call (ring steps, chunked prefill): do not
@@ -219,9 +188,6 @@ def _attn_fwd_kernel(
 
     offs_m = m0 + tl.arange(0, BLOCK_M)  # in-sequence row index
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < HEAD_DIM
-    EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
     row_in = offs_m < seqlen_q
 
     # ---- 64-bit base offsets (B*S*H*D may exceed 2^31) --------------------
@@ -233,17 +199,15 @@ def _attn_fwd_kernel(
     k_base = b64 * stride_kb + k_seq0 * stride_ks + off_kvh.to(tl.int64) * stride_kh
     v_base = b64 * stride_vb + k_seq0 * stride_vs + off_kvh.to(tl.int64) * stride_vh
 
-    rows = tl.arange(0, BLOCK_M)
-    q_ptrs = Q + q_base + rows[:, None] * stride_qs + offs_d[None, :] * stride_qd
-    k_tile = K + k_base
-    v_tile = V + v_base
-    k_offs = offs_n[None, :] * stride_ks + offs_d[:, None] * stride_kd  # K^T tile [BLOCK_D, BLOCK_N]
-    v_offs = offs_n[:, None] * stride_vs + offs_d[None, :] * stride_vd  # V tile [BLOCK_N, BLOCK_D]
-
-    if EVEN_D:
-        q = tl.load(q_ptrs, mask=row_in[:, None], other=0.0)
-    else:
-        q = tl.load(q_ptrs, mask=row_in[:, None] & d_mask[None, :], other=0.0)
+    # Tensor descriptors over this (sequence, head): TMA copies on Hopper, zero fill outside.
+    q_desc = tl.make_tensor_descriptor(Q + q_base - m0.to(tl.int64) * stride_qs,
+                                       shape=[seqlen_q, HEAD_DIM], strides=[stride_qs, 1],
+                                       block_shape=[BLOCK_M, BLOCK_D])
+    k_desc = tl.make_tensor_descriptor(K + k_base, shape=[seqlen_k, HEAD_DIM],
+                                       strides=[stride_ks, 1], block_shape=[BLOCK_N, BLOCK_D])
+    v_desc = tl.make_tensor_descriptor(V + v_base, shape=[seqlen_k, HEAD_DIM],
+                                       strides=[stride_vs, 1], block_shape=[BLOCK_N, BLOCK_D])
+    q = q_desc.load([m0, 0])
 
     # ---- KV loop bounds from absolute positions ---------------------------
     rows_end = tl.minimum(m0 + BLOCK_M, seqlen_q)  # exclusive, real rows only
@@ -274,15 +238,13 @@ def _attn_fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     # Stage 1: fully visible, in-bounds tiles -> no masking at all.
-    acc, l_i, m_i, k_tile, v_tile = _attn_fwd_inner(
-        acc, l_i, m_i, q, k_tile, v_tile, k_offs, v_offs, stride_ks, stride_vs,
-        0, mid, offs_m, offs_n, d_mask, delta, seqlen_k, qk_scale,
-        BLOCK_N, False, CAUSAL, EVEN_D, INPUT_PRECISION, INTERPRET, WARP_SPECIALIZE)
-    # Stage 2: diagonal band (+ ragged KV tail); pointers continue from `mid`.
-    acc, l_i, m_i, k_tile, v_tile = _attn_fwd_inner(
-        acc, l_i, m_i, q, k_tile, v_tile, k_offs, v_offs, stride_ks, stride_vs,
-        mid, hi, offs_m, offs_n, d_mask, delta, seqlen_k, qk_scale,
-        BLOCK_N, True, CAUSAL, EVEN_D, INPUT_PRECISION, INTERPRET)
+    acc, l_i, m_i = _attn_fwd_inner(
+        acc, l_i, m_i, q, k_desc, v_desc, 0, mid, offs_m, offs_n, delta, seqlen_k, qk_scale,
+        BLOCK_N, False, CAUSAL, INPUT_PRECISION, INTERPRET, WARP_SPECIALIZE)
+    # Stage 2: diagonal band (+ ragged KV tail).
+    acc, l_i, m_i = _attn_fwd_inner(
+        acc, l_i, m_i, q, k_desc, v_desc, mid, hi, offs_m, offs_n, delta, seqlen_k, qk_scale,
+        BLOCK_N, True, CAUSAL, INPUT_PRECISION, INTERPRET)
 
     # ---- epilogue: normalise; empty rows -> O = 0, LSE = -inf ---------------
     empty = l_i == 0.0
@@ -290,13 +252,12 @@ def _attn_fwd_kernel(
     acc = acc / l_safe[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
 
-    o_ptrs = O + o_base + rows[:, None] * stride_os + offs_d[None, :] * stride_od
-    if EVEN_D:
-        tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=row_in[:, None])
-    else:
-        tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=row_in[:, None] & d_mask[None, :])
+    o_desc = tl.make_tensor_descriptor(O + o_base - m0.to(tl.int64) * stride_os,
+                                       shape=[seqlen_q, HEAD_DIM], strides=[stride_os, 1],
+                                       block_shape=[BLOCK_M, BLOCK_D])
+    o_desc.store([m0, 0], acc.to(O.dtype.element_ty))  # rows past seqlen_q are dropped
     l_base = b64 * stride_lb + off_h.to(tl.int64) * stride_lh + (q_seq0 + m0).to(tl.int64)
-    tl.store(LSE + l_base + rows, lse, mask=row_in)
+    tl.store(LSE + l_base + tl.arange(0, BLOCK_M), lse, mask=row_in)
 
 
 # --------------------------------------------------------------------------- #
@@ -402,6 +363,14 @@ def _offset_arg(x: int | torch.Tensor, batch: int, device: torch.device, name: s
             raise ValueError(f"{name} must be on {device}, got {x.device}")
         return x.contiguous(), True
     return int(x), False
+
+
+def _alloc_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _set_allocator() -> None:
+    triton.set_allocator(_alloc_scratch)
 
 
 def flash_attention_fwd(
@@ -533,6 +502,8 @@ def flash_attention_fwd(
     def grid(m: dict) -> tuple[int, int]:
         return (batch * hq, triton.cdiv(max_seqlen_q, m["BLOCK_M"]))
 
+    if q.is_cuda:
+        _set_allocator()  # tensor descriptors made on the device need a little global scratch
     if _config is not None:
         cfg = dict(_config)
         nw, ns = cfg.pop("num_warps", 4), cfg.pop("num_stages", 1)
