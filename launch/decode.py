@@ -209,6 +209,35 @@ def run(cfg: DictConfig, device: torch.device, rank: int, world: int, run_dir: P
     if rank == 0:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         log.info(f"wrote {run_dir / 'summary.json'}")
+    if cfg.profile:
+        profile_decode(model, gen.tokens[:, -1].to(device), max_seq_len - 1, device, run_dir, rank)
+
+
+def profile_decode(model, tokens: torch.Tensor, pos: int, device: torch.device, run_dir: Path,
+                   rank: int, steps: int = 3) -> None:
+    """Where a decode step's time goes: torch.profiler over `steps` eager decode steps (no CUDA
+    graph, so launch gaps show too) at position `pos`; the kernel table by self device time goes
+    to <run_dir>/profile_rank<r>.txt, and its top rows to the console."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    input_pos = torch.full((tokens.shape[0],), pos, dtype=torch.int64, device=device)
+    with torch.no_grad():
+        model.decode_step(tokens, input_pos)  # warm-up outside the profile
+        if cuda:
+            torch.cuda.synchronize(device)
+        with profile(activities=acts) as prof:
+            for _ in range(steps):
+                model.decode_step(tokens, input_pos)
+            if cuda:
+                torch.cuda.synchronize(device)
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=key, row_limit=30)
+    out = run_dir / f"profile_rank{rank}.txt"
+    out.write_text(f"{steps} eager decode steps at position {pos}, sorted by {key}\n{table}\n")
+    log.info(f"profile of {steps} eager decode steps (by {key}):\n"
+             + "\n".join(table.splitlines()[:16]) + f"\nfull table: {out}")
 
 
 @hydra.main(config_path="../configs", config_name="decode", version_base="1.3")
