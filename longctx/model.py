@@ -16,12 +16,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from longctx.attention import attention
 from longctx.config import ModelArgs
 from longctx.decode import decode
+from longctx.ops import apply_rope, rms_norm, rope_tables, silu_mul
 
 
 class RMSNorm(nn.Module):
@@ -31,27 +31,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32, scale in the model's dtype (as the reference Llama does).
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
-
-
-def rope_tables(max_seq_len: int, head_dim: int, theta: float,
-                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [max_seq_len, head_dim] float32 for the rotate-half convention (Hugging Face)."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device)
-                               / head_dim)
-    freqs = torch.outer(torch.arange(max_seq_len, dtype=torch.float32, device=device), inv_freq)
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos(), emb.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, S, H, D] rotated by absolute positions; cos/sin broadcast to it, float32."""
-    xf = x.float()
-    x1, x2 = xf.chunk(2, dim=-1)
-    return (xf * cos + torch.cat((-x2, x1), dim=-1) * sin).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class KVCache(nn.Module):
@@ -111,12 +91,13 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
         self.kv_cache: KVCache | None = None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                 input_pos: torch.Tensor, decoding: bool) -> torch.Tensor:
+        """x [B, S, dim]; rope = (cos, sin tables [max_seq_len, D], positions [B, S])."""
         B, S, _ = x.shape
         # Head counts come from the weights' shapes: tensor parallelism slices them.
-        q = apply_rope(self.q_proj(x).view(B, S, -1, self.head_dim), cos, sin)
-        k = apply_rope(self.k_proj(x).view(B, S, -1, self.head_dim), cos, sin)
+        q = apply_rope(self.q_proj(x).view(B, S, -1, self.head_dim), *rope)
+        k = apply_rope(self.k_proj(x).view(B, S, -1, self.head_dim), *rope)
         v = self.v_proj(x).view(B, S, -1, self.head_dim)
         if decoding:
             o = self.kv_cache.decode(q[:, 0], k[:, 0], v[:, 0], input_pos)[:, None]
@@ -133,7 +114,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(args.intermediate_size, args.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class Block(nn.Module):
@@ -144,8 +125,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
         self.mlp = MLP(args)
 
-    def forward(self, x, cos, sin, input_pos, decoding: bool) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, input_pos, decoding)
+    def forward(self, x, rope, input_pos, decoding: bool) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, input_pos, decoding)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -182,11 +163,13 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         self.max_seq_len = max_seq_len
 
-    def _run(self, tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-             input_pos: torch.Tensor, decoding: bool) -> torch.Tensor:
+    def _run(self, tokens: torch.Tensor, pos: torch.Tensor, input_pos: torch.Tensor,
+             decoding: bool) -> torch.Tensor:
+        """tokens [B, S] at absolute positions pos [B, S] (for RoPE)."""
         x = self.embed_tokens(tokens)
+        rope = (self.rope_cos, self.rope_sin, pos)
         for layer in self.layers:
-            x = layer(x, cos, sin, input_pos, decoding)
+            x = layer(x, rope, input_pos, decoding)
         return x
 
     def prefill(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
@@ -194,13 +177,11 @@ class Transformer(nn.Module):
         float32 of the last row (the next-token distribution after the chunk)."""
         if self.max_seq_len == 0:
             raise RuntimeError("call setup_caches() before prefill()")
-        cos, sin = self.rope_cos[input_pos][None, :, None], self.rope_sin[input_pos][None, :, None]
-        x = self._run(tokens, cos, sin, input_pos, decoding=False)
+        x = self._run(tokens, input_pos[None].expand(tokens.shape[0], -1), input_pos, decoding=False)
         return self.lm_head(self.norm(x[:, -1])).float()
 
     def decode_step(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
         """tokens [B] int64 at positions input_pos [B] int64 -> logits [B, V] float32.
         Reads and writes only fixed buffers: capturable in a CUDA graph."""
-        cos, sin = self.rope_cos[input_pos][:, None, None], self.rope_sin[input_pos][:, None, None]
-        x = self._run(tokens[:, None], cos, sin, input_pos, decoding=True)
+        x = self._run(tokens[:, None], input_pos[:, None], input_pos, decoding=True)
         return self.lm_head(self.norm(x[:, 0])).float()
