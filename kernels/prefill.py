@@ -137,10 +137,10 @@ def _attn_fwd_kernel(
     Q, K, V, O, LSE,
     Q_START, K_START,          # python ints or int32/int64 pointers [B]
     CU_SEQLENS_Q, CU_SEQLENS_K,  # int32 [B+1] (varlen only; dummy otherwise)
-    stride_qb, stride_qs, stride_qh, stride_qd,
-    stride_kb, stride_ks, stride_kh, stride_kd,
-    stride_vb, stride_vs, stride_vh, stride_vd,
-    stride_ob, stride_os, stride_oh, stride_od,
+    stride_qb, stride_qs, stride_qh,  # head_dim stride is 1 (tensor descriptors need it)
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_ob, stride_os, stride_oh,
     stride_lb, stride_lh,
     seqlen_q_dense, seqlen_k_dense,
     num_heads_q, group_size,
@@ -406,65 +406,40 @@ def flash_attention_fwd(
     ``_config`` (testing only): {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}
     bypasses the autotuner.
     """
+    # Inputs are validated by longctx.attention (shapes, dtypes, devices, GQA, head_dim, and a
+    # unit head_dim stride); only what the kernel itself relies on is asserted here.
     is_varlen = cu_seqlens_q is not None
-    if is_varlen != (cu_seqlens_k is not None):
-        raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together")
-    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise TypeError(f"unsupported dtype {q.dtype}")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError("q, k, v must share a dtype")
-    if v.shape != k.shape:
-        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} shapes differ")
-
+    if any(t.stride(-1) != 1 for t in (q, k, v)):
+        raise ValueError("q, k, v need unit stride in head_dim (the tiles move by TMA)")
     if is_varlen:
-        if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
-            raise ValueError("varlen expects q [total_q, Hq, D], k/v [total_k, Hkv, D]")
-        if cu_seqlens_q.dtype != torch.int32 or cu_seqlens_k.dtype != torch.int32:
-            raise TypeError("cu_seqlens must be int32")
-        if cu_seqlens_q.device != q.device or cu_seqlens_k.device != q.device:
-            raise ValueError("cu_seqlens must be on q.device")
+        if max_seqlen_q is None or max_seqlen_k is None:
+            raise ValueError("varlen needs max_seqlen_q and max_seqlen_k (sizes the grid)")
         batch = cu_seqlens_q.numel() - 1
-        if cu_seqlens_k.numel() - 1 != batch:
-            raise ValueError("cu_seqlens_q / cu_seqlens_k batch mismatch")
         total_q, hq, d = q.shape
-        _, hkv, dk = k.shape
-        if max_seqlen_q is None:  # forces a host sync; callers should pass it
-            max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max().item()) if batch > 0 else 0
-        if max_seqlen_k is None:
-            max_seqlen_k = int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max().item()) if batch > 0 else 0
-        # Treat as B=1 "dense" strides with the batch stride 0; sequence starts come from cu_seqlens.
-        sq_b, sq_s, sq_h, sq_d = 0, q.stride(0), q.stride(1), q.stride(2)
-        sk_b, sk_s, sk_h, sk_d = 0, k.stride(0), k.stride(1), k.stride(2)
-        sv_b, sv_s, sv_h, sv_d = 0, v.stride(0), v.stride(1), v.stride(2)
+        hkv = k.shape[1]
+        # Batch stride 0: sequence starts come from cu_seqlens.
+        sq_b, sq_s, sq_h = 0, q.stride(0), q.stride(1)
+        sk_b, sk_s, sk_h = 0, k.stride(0), k.stride(1)
+        sv_b, sv_s, sv_h = 0, v.stride(0), v.stride(1)
         o = torch.empty((total_q, hq, d), dtype=q.dtype, device=q.device)
         lse = torch.empty((hq, total_q), dtype=torch.float32, device=q.device)
-        so_b, so_s, so_h, so_d = 0, o.stride(0), o.stride(1), o.stride(2)
+        so_b, so_s, so_h = 0, o.stride(0), o.stride(1)
         sl_b, sl_h = 0, lse.stride(0)
         seqlen_q_dense, seqlen_k_dense = 0, 0
         cu_q, cu_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     else:
-        if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-            raise ValueError("dense expects q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D]")
         batch, sq, hq, d = q.shape
-        bk, sk, hkv, dk = k.shape
-        if bk != batch:
-            raise ValueError("batch mismatch between q and k/v")
+        sk, hkv = k.shape[1], k.shape[2]
         max_seqlen_q, max_seqlen_k = sq, sk
-        sq_b, sq_s, sq_h, sq_d = q.stride()
-        sk_b, sk_s, sk_h, sk_d = k.stride()
-        sv_b, sv_s, sv_h, sv_d = v.stride()
+        sq_b, sq_s, sq_h, _ = q.stride()
+        sk_b, sk_s, sk_h, _ = k.stride()
+        sv_b, sv_s, sv_h, _ = v.stride()
         o = torch.empty((batch, sq, hq, d), dtype=q.dtype, device=q.device)
         lse = torch.empty((batch, hq, sq), dtype=torch.float32, device=q.device)
-        so_b, so_s, so_h, so_d = o.stride()
+        so_b, so_s, so_h, _ = o.stride()
         sl_b, sl_h = lse.stride(0), lse.stride(1)
         seqlen_q_dense, seqlen_k_dense = sq, sk
         cu_q = cu_k = q  # dummies, never dereferenced (IS_VARLEN=False)
-    if dk != d:
-        raise ValueError(f"head_dim mismatch: q {d}, k/v {dk}")
-    if hkv == 0 or hq % hkv != 0:
-        raise ValueError(f"Hq={hq} must be a multiple of Hkv={hkv}")
-    if d > 256:
-        raise ValueError("head_dim > 256 not supported")
 
     if batch == 0 or o.numel() == 0 or max_seqlen_q == 0:
         lse.fill_(float("-inf"))
@@ -479,10 +454,10 @@ def flash_attention_fwd(
     input_precision = "ieee" if q.dtype == torch.float32 else "tf32"
     args = (
         q, k, v, o, lse, qs_arg, ks_arg, cu_q, cu_k,
-        sq_b, sq_s, sq_h, sq_d,
-        sk_b, sk_s, sk_h, sk_d,
-        sv_b, sv_s, sv_h, sv_d,
-        so_b, so_s, so_h, so_d,
+        sq_b, sq_s, sq_h,
+        sk_b, sk_s, sk_h,
+        sv_b, sv_s, sv_h,
+        so_b, so_s, so_h,
         sl_b, sl_h,
         seqlen_q_dense, seqlen_k_dense,
         hq, hq // hkv,
