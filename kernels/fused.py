@@ -1,5 +1,5 @@
 """Small fused Triton kernels for the model's decode step: RMSNorm, rotary embedding of q and k,
-SiLU-and-multiply.
+SiLU-and-multiply, the KV-cache store.
 
 At batch 1 a Llama layer's non-matmul ops are dozens of tiny kernels (RMSNorm alone is eight
 torch ops); each costs a launch and a ramp, a few µs, against ~0.45 ms of weight reads per
@@ -15,13 +15,21 @@ import triton.language as tl
 
 
 @triton.jit
-def _rms_norm_kernel(X, W, Y, stride_x, stride_y, N, eps, BLOCK: tl.constexpr):
+def _rms_norm_kernel(X, A, S, W, Y, stride_x, stride_a, stride_s, stride_y, N, eps,
+                     HAS_ADD: tl.constexpr, BLOCK: tl.constexpr):
     # One program per row: y = w * (x / sqrt(mean(x^2) + eps)), normalised in fp32, rounded to
-    # the input dtype before the weight multiply (as the Llama reference does).
+    # the input dtype before the weight multiply (as the Llama reference does). With HAS_ADD the
+    # row is first x + a, rounded to the dtype and also stored to S (the residual stream), so a
+    # residual add and the next norm are one launch.
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
-    x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0)
+    if HAS_ADD:
+        a = tl.load(A + row * stride_a + offs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + a.to(tl.float32)).to(Y.dtype.element_ty)
+        tl.store(S + row * stride_s + offs, x, mask=mask)
+    x = x.to(tl.float32)
     inv = tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
     xn = (x * inv).to(Y.dtype.element_ty)
     w = tl.load(W + offs, mask=mask, other=0.0)
@@ -29,15 +37,22 @@ def _rms_norm_kernel(X, W, Y, stride_x, stride_y, N, eps, BLOCK: tl.constexpr):
              mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [..., N] (last stride 1), weight [N] -> [..., N] in x's dtype."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             add: torch.Tensor | None = None):
+    """x [..., N] (last stride 1), weight [N] -> [..., N] in x's dtype; with `add` (x's shape,
+    last stride 1) -> (x + add, its norm)."""
     N = x.shape[-1]
     x2 = x.reshape(-1, N)
     y = torch.empty_like(x2)
+    a2 = add.reshape(-1, N) if add is not None else x2
+    s2 = torch.empty_like(x2) if add is not None else y
     BLOCK = triton.next_power_of_2(N)
-    _rms_norm_kernel[(x2.shape[0],)](x2, weight, y, x2.stride(0), y.stride(0), N, eps,
+    _rms_norm_kernel[(x2.shape[0],)](x2, a2, s2, weight, y, x2.stride(0), a2.stride(0),
+                                     s2.stride(0), y.stride(0), N, eps, HAS_ADD=add is not None,
                                      BLOCK=BLOCK, num_warps=min(16, max(1, BLOCK // 512)))
-    return y.view(x.shape)
+    if add is None:
+        return y.view(x.shape)
+    return s2.view(x.shape), y.view(x.shape)
 
 
 @triton.jit
@@ -73,20 +88,54 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tens
 
 
 @triton.jit
-def _silu_mul_kernel(G, U, Y, N, BLOCK: tl.constexpr):
-    # y = silu(g) * u; silu in fp32 rounded to the input dtype first (as F.silu(g) * u does).
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < N
-    g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(U + offs, mask=mask, other=0.0).to(tl.float32)
+def _silu_mul_kernel(GU, Y, I, BLOCK: tl.constexpr):
+    # Row r of GU holds [gate (I) | up (I)]: y = silu(gate) * up, silu in fp32 rounded to the
+    # input dtype first (as F.silu(gate) * up does).
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < I
+    g = tl.load(GU + row * 2 * I + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(GU + row * 2 * I + I + offs, mask=mask, other=0.0).to(tl.float32)
     a = (g / (1.0 + tl.exp(-g))).to(Y.dtype.element_ty).to(tl.float32)
-    tl.store(Y + offs, (a * u).to(Y.dtype.element_ty), mask=mask)
+    tl.store(Y + row * I + offs, (a * u).to(Y.dtype.element_ty), mask=mask)
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up for contiguous tensors of one shape and dtype."""
-    y = torch.empty_like(gate)
-    N = gate.numel()
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [..., 2I] contiguous -> silu(gate) * up [..., I]."""
+    I = gate_up.shape[-1] // 2
+    y = gate_up.new_empty(*gate_up.shape[:-1], I)
+    rows = gate_up.numel() // (2 * I)
     BLOCK = 1024
-    _silu_mul_kernel[(triton.cdiv(N, BLOCK),)](gate, up, y, N, BLOCK=BLOCK, num_warps=4)
+    _silu_mul_kernel[(rows, triton.cdiv(I, BLOCK))](gate_up, y, I, BLOCK=BLOCK, num_warps=4)
     return y
+
+
+@triton.jit
+def _store_kv_kernel(KC, VC, K, V, SLOT, S_MAX, stride_cb, stride_cs, stride_ch,
+                     stride_kb, stride_kh, stride_vb, stride_vh, H,
+                     BLOCK_H: tl.constexpr, D: tl.constexpr):
+    # Program (b, 0) writes k[b] and (b, 1) writes v[b] at cache position SLOT[b]; a slot out of
+    # range is skipped (the decode that follows flags its sequence with NaN).
+    b = tl.program_id(0).to(tl.int64)
+    slot = tl.load(SLOT + b).to(tl.int64)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, D)
+    mask = (offs_h < H)[:, None] & (slot >= 0) & (slot < S_MAX)
+    if tl.program_id(1) == 0:
+        src = K + b * stride_kb + offs_h[:, None] * stride_kh + offs_d[None, :]
+        dst = KC + b * stride_cb + slot * stride_cs + offs_h[:, None] * stride_ch + offs_d[None, :]
+    else:
+        src = V + b * stride_vb + offs_h[:, None] * stride_vh + offs_d[None, :]
+        dst = VC + b * stride_cb + slot * stride_cs + offs_h[:, None] * stride_ch + offs_d[None, :]
+    tl.store(dst, tl.load(src, mask=mask), mask=mask)
+
+
+def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot: torch.Tensor) -> None:
+    """k_cache[b, slot[b]] = k[b], v_cache[b, slot[b]] = v[b]; caches [B, S_max, Hkv, D]
+    contiguous, k/v [B, Hkv, D] with unit stride in D, slot [B] int64."""
+    B, S_max, H, D = k_cache.shape
+    _store_kv_kernel[(B, 2)](k_cache, v_cache, k, v, slot, S_max, k_cache.stride(0),
+                             k_cache.stride(1), k_cache.stride(2), k.stride(0), k.stride(1),
+                             v.stride(0), v.stride(1), H, BLOCK_H=triton.next_power_of_2(H), D=D,
+                             num_warps=4)

@@ -9,9 +9,12 @@ Each rank builds only its own shard (in `layout`) of a random q/k/v sequence and
 `ring_attention`. Rank 0 prints the time per call (slowest rank), TFLOPS per rank (causal FLOPs
 halved), and, when the sequence fits on one device, the same kernel (`longctx.attention`) on the
 full sequence there: its time, the parallel efficiency t_1 / (W x t_W), and the ring output's
-max error against it. Until the Triton FlashAttention kernel lands, `longctx.attention` on CUDA is
-the reference, which materialises [B, Hq, S/W, S/W] scores per ring step (and [B, Hq, S, S] for
-the one-device run, which is skipped on out-of-memory).
+max error against it.
+
+`peers=[cp_cudnn,cp_flash]` also times torch's context parallelism
+(torch.distributed.tensor.experimental.context_parallel: ring attention over SDPA with head-tail
+load balancing) with SDPA's cuDNN or flash backend, in the same run, with its own one-device
+SDPA time for its efficiency.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from collections.abc import Callable
 import hydra
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from omegaconf import DictConfig
 
 import longctx
@@ -93,10 +97,21 @@ def run(cfg: DictConfig, device: torch.device) -> None:
 
     t_ring = seconds_per_call(ring, cfg, device, all_ranks=True)
     say(f"ring       {t_ring * 1e3:10.3f} ms/call  {flops / world / t_ring / 1e12:8.3f} TFLOPS per rank")
-    if not cfg.compare or S > cfg.compare_max_len:
+    if cfg.compare and S <= cfg.compare_max_len:
+        compare_one_device(cfg, device, ring, flops, t_ring)
+    else:
         say(f"one-device comparison skipped (compare={cfg.compare}, compare_max_len={cfg.compare_max_len})")
-        return
+    for peer in cfg.peers:
+        torch_context_parallel(cfg, device, peer, flops)
 
+
+def compare_one_device(cfg: DictConfig, device: torch.device, ring: Callable, flops: float,
+                       t_ring: float) -> None:
+    """Rank 0 runs longctx.attention on the full sequence: its time, the ring's parallel
+    efficiency, and the ring output's max error against it."""
+    rank, world = rank_and_world()
+    say = print if rank == 0 else (lambda *a, **k: None)
+    S = cfg.seq_len
     o_loc, lse_loc = ring()
     o = unshard_sequence(o_loc, None, cfg.layout)
     lse = unshard_sequence(lse_loc, None, cfg.layout, dim=-1)
@@ -120,6 +135,46 @@ def run(cfg: DictConfig, device: torch.device) -> None:
             err_lse = (lse.float() - lse_ref.float()).abs().max().item()
             say(f"max |O err| vs one device: {err_o:.2e}   max |LSE err|: {err_lse:.2e}")
     dist.barrier()
+
+
+CP_BACKENDS = ("cp_cudnn", "cp_flash")
+
+
+def torch_context_parallel(cfg: DictConfig, device: torch.device, peer: str, flops: float) -> None:
+    """Time torch's context parallelism (SDPA backend `peer`) on the same sequence; rank 0
+    prints ms/call, TFLOPS per rank, and the efficiency against that backend on one device."""
+    if peer not in CP_BACKENDS:
+        raise ValueError(f"peers: unknown peer {peer!r}; choose from {CP_BACKENDS}")
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    rank, world = rank_and_world()
+    say = print if rank == 0 else (lambda *a, **k: None)
+    backend = {"cp_cudnn": SDPBackend.CUDNN_ATTENTION, "cp_flash": SDPBackend.FLASH_ATTENTION}[peer]
+    # The whole sequence on every rank in SDPA's [B, H, S, D] layout (context_parallel shards
+    # it); K/V heads repeated for GQA, which torch's ring attention does not take.
+    q, k, v = synthetic_qkv(cfg, [(0, cfg.seq_len)], device)
+    rep = cfg.q_heads // cfg.kv_heads
+    q, k, v = (x.transpose(1, 2).contiguous() for x in
+               (q, k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)))
+    with sdpa_kernel(backend):
+        t_one = None
+        if rank == 0 and cfg.compare and cfg.seq_len <= cfg.compare_max_len:
+            t_one = seconds_per_call(
+                lambda: F.scaled_dot_product_attention(q, k, v, is_causal=cfg.causal),
+                cfg, device, all_ranks=False)
+        dist.barrier()
+        mesh = init_device_mesh(device.type, (world,))
+        with context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2],
+                              no_restore_buffers={q, k, v}):
+            t_cp = seconds_per_call(
+                lambda: F.scaled_dot_product_attention(q, k, v, is_causal=cfg.causal),
+                cfg, device, all_ranks=True)
+    line = f"torch CP {peer[3:]:<6} {t_cp * 1e3:8.3f} ms/call  {flops / world / t_cp / 1e12:8.3f} TFLOPS per rank"
+    if t_one is not None:
+        line += f"  (one device {t_one * 1e3:.3f} ms: efficiency {100 * t_one / (world * t_cp):.0f}%)"
+    say(line)
 
 
 @hydra.main(config_path="../configs", config_name="prefill", version_base="1.3")

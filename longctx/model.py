@@ -21,7 +21,7 @@ from torch import nn
 from longctx.attention import attention
 from longctx.config import ModelArgs
 from longctx.decode import decode
-from longctx.ops import apply_rope, rms_norm, rope_tables, silu_mul
+from longctx.ops import rms_norm, rope_, rope_tables, silu_mul, store_kv
 
 
 class RMSNorm(nn.Module):
@@ -30,8 +30,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, add: torch.Tensor | None = None):
+        """norm(x); with `add`, (x + add, norm(x + add)): the residual add fused in front."""
+        return rms_norm(x, self.weight, self.eps, add)
 
 
 class KVCache(nn.Module):
@@ -66,41 +67,63 @@ class KVCache(nn.Module):
         self.v_cache[:, start:end] = v
         return attention(q, self.k_cache[:, :end], self.v_cache[:, :end], causal=True, q_start=start)
 
-    def decode_at(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot: torch.Tensor,
-                  cache_seqlens: torch.Tensor, return_lse: bool = False):
-        """Write each sequence's new k/v [B, Hkv, D] at cache slot [B] and run `decode` over the
-        first cache_seqlens [B] int32 entries. q [B, Hq, D] -> o [B, Hq, D] (and lse [B, Hq])."""
-        self.k_cache[self.batch_idx, slot] = k
-        self.v_cache[self.batch_idx, slot] = v
+    def step_indices(self, input_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where a decode step at positions input_pos [B] int64 writes its token (cache slot [B]
+        int64) and how many entries it then attends to (cache_seqlens [B] int32). The same for
+        every layer, so the model computes it once per step."""
+        return input_pos, (input_pos + 1).to(torch.int32)
+
+    def decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               step: tuple[torch.Tensor, torch.Tensor], return_lse: bool = False):
+        """Write each sequence's new k/v [B, Hkv, D] at its slot and run `decode` over the first
+        cache_seqlens entries, with (slot, cache_seqlens) = step_indices(input_pos).
+        q [B, Hq, D] -> o [B, Hq, D] (and lse [B, Hq] with return_lse)."""
+        slot, cache_seqlens = step
+        store_kv(self.k_cache, self.v_cache, k, v, slot)
         return decode(q, self.k_cache, self.v_cache, cache_seqlens=cache_seqlens,
                       return_lse=return_lse)
 
-    def decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               input_pos: torch.Tensor) -> torch.Tensor:
-        """One token per sequence at position input_pos [B] int64. q [B, Hq, D] -> [B, Hq, D]."""
-        return self.decode_at(q, k, v, input_pos, (input_pos + 1).to(torch.int32))
+
+class FusedLinear(nn.Linear):
+    """One Linear (no bias) whose output rows are several checkpoint tensors stacked, e.g. q, k
+    and v: at batch 1 one large GEMV reads the weights closer to the bandwidth limit than a few
+    small ones. `parts` maps each tensor's name (relative to this module's parent) to its rows
+    here; longctx.weights fills each part from its own tensor, and tensor parallelism slices
+    each part and updates the row counts."""
+
+    def __init__(self, in_features: int, parts: dict[str, int]) -> None:
+        super().__init__(in_features, sum(parts.values()), bias=False)
+        self.parts = dict(parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] -> [..., rows]: the parts' outputs side by side, in `parts` order."""
+        return super().forward(x)
 
 
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
-        self.head_dim = args.head_dim
-        self.q_proj = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
-        self.k_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
-        self.v_proj = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
-        self.o_proj = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        D = self.head_dim = args.head_dim
+        # Head counts of this module: tensor parallelism lowers them when it slices the weights.
+        self.n_heads, self.n_kv_heads = args.n_heads, args.n_kv_heads
+        self.qkv_proj = FusedLinear(args.dim, {"q_proj": args.n_heads * D,
+                                               "k_proj": args.n_kv_heads * D,
+                                               "v_proj": args.n_kv_heads * D})
+        self.o_proj = nn.Linear(args.n_heads * D, args.dim, bias=False)
         self.kv_cache: KVCache | None = None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-                input_pos: torch.Tensor, decoding: bool) -> torch.Tensor:
-        """x [B, S, dim]; rope = (cos, sin tables [max_seq_len, D], positions [B, S])."""
+                input_pos: torch.Tensor, step: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """x [B, S, dim]; rope = (cos, sin tables [max_seq_len, D], positions [B, S]); step: the
+        KV cache's step_indices when decoding (S = 1), None for a prefill chunk."""
         B, S, _ = x.shape
-        # Head counts come from the weights' shapes: tensor parallelism slices them.
-        q = apply_rope(self.q_proj(x).view(B, S, -1, self.head_dim), *rope)
-        k = apply_rope(self.k_proj(x).view(B, S, -1, self.head_dim), *rope)
-        v = self.v_proj(x).view(B, S, -1, self.head_dim)
-        if decoding:
-            o = self.kv_cache.decode(q[:, 0], k[:, 0], v[:, 0], input_pos)[:, None]
+        hq, hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
+        # One RoPE launch rotates q and k: they are adjacent heads of the fused projection.
+        qkv = self.qkv_proj(x).view(B, S, hq + 2 * hkv, D)
+        rope_(qkv[:, :, :hq + hkv], *rope)
+        q, k, v = qkv.split([hq, hkv, hkv], dim=2)
+        if step is not None:
+            o = self.kv_cache.decode(q[:, 0], k[:, 0], v[:, 0], step)[:, None]
         else:
             o = self.kv_cache.prefill(q, k, v, input_pos)
         return self.o_proj(o.reshape(B, S, -1))
@@ -109,12 +132,12 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(args.dim, args.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(args.dim, args.intermediate_size, bias=False)
+        self.gate_up_proj = FusedLinear(args.dim, {"gate_proj": args.intermediate_size,
+                                                   "up_proj": args.intermediate_size})
         self.down_proj = nn.Linear(args.intermediate_size, args.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
 
 class Block(nn.Module):
@@ -125,9 +148,13 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.dim, args.norm_eps)
         self.mlp = MLP(args)
 
-    def forward(self, x, rope, input_pos, decoding: bool) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, input_pos, decoding)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, delta, rope, input_pos, step) -> tuple[torch.Tensor, torch.Tensor]:
+        """Residual stream x and the previous block's output delta (None before the first block)
+        -> (x + delta + attention, this block's MLP output): each residual add is fused into the
+        norm that follows it."""
+        x, h = self.input_layernorm(x, delta) if delta is not None else (x, self.input_layernorm(x))
+        x, h = self.post_attention_layernorm(x, self.self_attn(h, rope, input_pos, step))
+        return x, self.mlp(h)
 
 
 CacheFactory = Callable[[int, int, int, int, torch.dtype, torch.device], KVCache]
@@ -156,8 +183,8 @@ class Transformer(nn.Module):
         hd = self.args.head_dim
         for layer in self.layers:
             attn = layer.self_attn
-            attn.kv_cache = self.make_cache(batch, max_seq_len, attn.k_proj.weight.shape[0] // hd,
-                                            hd, w.dtype, w.device)
+            attn.kv_cache = self.make_cache(batch, max_seq_len, attn.n_kv_heads, hd, w.dtype,
+                                            w.device)
         cos, sin = rope_tables(max_seq_len, hd, self.args.rope_theta, w.device)
         self.register_buffer("rope_cos", cos, persistent=False)  # [max_seq_len, D] float32
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -165,12 +192,15 @@ class Transformer(nn.Module):
 
     def _run(self, tokens: torch.Tensor, pos: torch.Tensor, input_pos: torch.Tensor,
              decoding: bool) -> torch.Tensor:
-        """tokens [B, S] at absolute positions pos [B, S] (for RoPE)."""
+        """tokens [B, S] at absolute positions pos [B, S] (for RoPE) -> the final norm's output
+        [B, S, dim]."""
         x = self.embed_tokens(tokens)
         rope = (self.rope_cos, self.rope_sin, pos)
+        step = self.layers[0].self_attn.kv_cache.step_indices(input_pos) if decoding else None
+        delta = None
         for layer in self.layers:
-            x = layer(x, rope, input_pos, decoding)
-        return x
+            x, delta = layer(x, delta, rope, input_pos, step)
+        return self.norm(x, delta)[1] if delta is not None else self.norm(x)
 
     def prefill(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
         """tokens [B, S] int64 at absolute positions input_pos [S] int64 -> logits [B, V]
@@ -178,10 +208,10 @@ class Transformer(nn.Module):
         if self.max_seq_len == 0:
             raise RuntimeError("call setup_caches() before prefill()")
         x = self._run(tokens, input_pos[None].expand(tokens.shape[0], -1), input_pos, decoding=False)
-        return self.lm_head(self.norm(x[:, -1])).float()
+        return self.lm_head(x[:, -1]).float()
 
     def decode_step(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
         """tokens [B] int64 at positions input_pos [B] int64 -> logits [B, V] float32.
         Reads and writes only fixed buffers: capturable in a CUDA graph."""
         x = self._run(tokens[:, None], input_pos[:, None], input_pos, decoding=True)
-        return self.lm_head(self.norm(x[:, 0])).float()
+        return self.lm_head(x[:, 0]).float()

@@ -12,13 +12,21 @@ import torch.nn.functional as F
 from longctx.backend import use_triton_for
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             add: torch.Tensor | None = None):
     """x [..., N] -> weight * x / sqrt(mean(x^2) + eps): normalised in float32, rounded to x's
-    dtype, then scaled by weight [N] (the Llama reference's order)."""
-    if use_triton_for(x) and x.stride(-1) == 1:
+    dtype, then scaled by weight [N] (the Llama reference's order).
+
+    With `add` (x's shape and dtype): the residual add fused in front, returning
+    (x + add, rms_norm(x + add)) -- one kernel on CUDA instead of two.
+    """
+    if use_triton_for(x) and x.stride(-1) == 1 and (add is None or add.stride(-1) == 1):
         from longctx.kernels.fused import rms_norm as kernel
 
-        return kernel(x, weight, eps)
+        return kernel(x, weight, eps, add)
+    if add is not None:
+        x = x + add
+        return x, rms_norm(x, weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
@@ -34,25 +42,48 @@ def rope_tables(max_seq_len: int, head_dim: int, theta: float,
     return emb.cos(), emb.sin()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               pos: torch.Tensor) -> torch.Tensor:
-    """x [B, S, H, D] rotated by the absolute positions pos [B, S] int64 (any strides: an
-    expanded [S] or [B] works), with the [max_seq_len, D] float32 tables of `rope_tables`.
-    Math in float32, result in x's dtype. May rotate x in place (on CUDA it does)."""
+def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+          pos: torch.Tensor) -> torch.Tensor:
+    """Rotate x [B, S, H, D] in place by the absolute positions pos [B, S] int64 (any strides:
+    an expanded [S] or [B] works), with the [max_seq_len, D] float32 tables of `rope_tables`.
+    x may be a strided view (e.g. the q and k heads of a fused projection) with unit stride in
+    D. Math in float32, result in x's dtype. Returns x."""
     if use_triton_for(x) and x.stride(-1) == 1:
-        from longctx.kernels.fused import rope_
+        from longctx.kernels.fused import rope_ as kernel
 
-        return rope_(x, cos, sin, pos)
+        return kernel(x, cos, sin, pos)
     c, s = cos[pos][:, :, None], sin[pos][:, :, None]  # [B, S, 1, D]
     xf = x.float()
     x1, x2 = xf.chunk(2, dim=-1)
-    return (xf * c + torch.cat((-x2, x1), dim=-1) * s).to(x.dtype)
+    return x.copy_(xf * c + torch.cat((-x2, x1), dim=-1) * s)
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up, in the inputs' dtype."""
-    if use_triton_for(gate) and gate.is_contiguous() and up.is_contiguous():
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [..., 2I] (gate, then up: a fused projection's output) -> silu(gate) * up
+    [..., I], in the input's dtype."""
+    if use_triton_for(gate_up) and gate_up.is_contiguous():
         from longctx.kernels.fused import silu_mul as kernel
 
-        return kernel(gate, up)
+        return kernel(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot: torch.Tensor) -> None:
+    """k_cache[b, slot[b]] = k[b] and v_cache[b, slot[b]] = v[b] for every sequence b.
+
+    k_cache/v_cache [B, S_max, Hkv, D] contiguous; k/v [B, Hkv, D] (unit stride in D; e.g. views
+    into a fused projection); slot [B] int64. On CUDA one kernel writes both (a decode step's
+    cache update at batch 1 is two tiny index_put kernels otherwise); a slot outside [0, S_max)
+    is not written there (no host check), and the decode that follows writes NaN for it.
+    """
+    if use_triton_for(k) and k.stride(-1) == 1 and v.stride(-1) == 1 and k_cache.is_contiguous() \
+            and v_cache.is_contiguous():
+        from longctx.kernels.fused import store_kv as kernel
+
+        kernel(k_cache, v_cache, k, v, slot)
+        return
+    b = torch.arange(k.shape[0], device=k.device)
+    k_cache[b, slot] = k
+    v_cache[b, slot] = v

@@ -134,14 +134,35 @@ class HFCheckpoint:
             out.copy_(sl[tuple(index)])
 
 
+def checkpoint_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's parameters by checkpoint tensor name (Hugging Face's, without `model.`): a
+    fused projection (a module with `parts`, e.g. qkv_proj of q_proj, k_proj, v_proj) gives one
+    view per part, its rows in order. Views share the parameters' storage."""
+    tensors = {}
+    for mod_name, module in model.named_modules():
+        parts = getattr(module, "parts", None)
+        for p_name, p in module.named_parameters(recurse=False):
+            name = f"{mod_name}.{p_name}" if mod_name else p_name
+            if parts is None:
+                tensors[name] = p
+                continue
+            if sum(parts.values()) != p.shape[0]:
+                raise ValueError(f"{name}: parts cover {sum(parts.values())} rows of {p.shape[0]}")
+            parent = mod_name.rpartition(".")[0]
+            for part, view in zip(parts, p.split(list(parts.values()), dim=0)):
+                tensors[f"{parent}.{part}.{p_name}"] = view
+    return tensors
+
+
 @torch.no_grad()
 def load_weights(model: nn.Module, source: WeightSource, plan: ShardPlan | None = None) -> None:
     """Fill every parameter of `model` (already on its device, e.g. after to_empty) from
-    `source`; `plan` gives the slices of tensor-parallel parameters."""
+    `source`, tensor by checkpoint name (`checkpoint_tensors`); `plan` gives the slices of
+    tensor-parallel tensors."""
     plan = plan or {}
-    for name, p in model.named_parameters():
+    for name, out in checkpoint_tensors(model).items():
         shard = plan.get(name)
-        full_shape = list(p.shape)
+        full_shape = list(out.shape)
         if shard is not None:
             full_shape[shard.dim] = shard.full_size
-        source.read(name, tuple(full_shape), shard, p)
+        source.read(name, tuple(full_shape), shard, out)

@@ -55,16 +55,22 @@ class SequenceParallelKVCache(KVCache):
         self.v_cache[:, :s_local] = v
         return ring_attention(q, k, v, group=self.group, causal=True, layout=LAYOUT)
 
-    def decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               input_pos: torch.Tensor) -> torch.Tensor:
-        """q [B, Hq, D], new k/v [B, Hkv, D] at positions input_pos [B] -> o [B, Hq, D], the
-        attention over all positions <= input_pos of the whole sp group."""
+    def step_indices(self, input_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slot [B] (the owned position's local slot, else the scratch slot) and this shard's
+        cache_seqlens [B] int32 for a decode step at positions input_pos [B]."""
         owned = input_pos % self.sp == self.rank
         slot = torch.where(owned, input_pos // self.sp, self.capacity)
         # Positions q <= p with q % sp == rank: floor((p - rank) / sp) + 1, or 0 if p < rank.
         seqlens = torch.div(input_pos + self.sp - self.rank, self.sp, rounding_mode="floor")
-        o, lse = self.decode_at(q, k, v, slot, seqlens.to(torch.int32), return_lse=True)
-        return merge_states_group(o, lse, self.group)[0]
+        return slot, seqlens.to(torch.int32)
+
+    def decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               step: tuple[torch.Tensor, torch.Tensor], return_lse: bool = False):
+        """q [B, Hq, D], new k/v [B, Hkv, D], step = step_indices(input_pos) -> o [B, Hq, D]
+        (and lse [B, Hq]): the attention over all positions <= input_pos of the whole sp group."""
+        o, lse = super().decode(q, k, v, step, return_lse=True)
+        o, lse = merge_states_group(o, lse, self.group)
+        return (o, lse) if return_lse else o
 
 
 def apply_sequence_parallel(model: Transformer, group) -> None:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from longctx.model import Transformer
+from longctx.model import FusedLinear, Transformer
 from longctx.weights import Shard, ShardPlan
 
 
@@ -58,11 +58,12 @@ def _narrow(weight: torch.Tensor, shard: Shard) -> nn.Parameter:
 
 
 def apply_tensor_parallel(model: Transformer, group) -> ShardPlan:
-    """Shard `model` over the ranks of `group` in place; returns each sliced parameter's Shard.
+    """Shard `model` over the ranks of `group` in place; returns the Shard of each sliced
+    checkpoint tensor (e.g. layers.0.self_attn.k_proj.weight, a part of the fused qkv_proj).
 
     Rank r keeps query heads [r*Hq/tp, (r+1)*Hq/tp) and the KV heads they read: a tp-th of the KV
     heads, or, when tp > Hkv, the one KV head of its query heads (replicated on tp/Hkv ranks).
-    Call before setup_caches (the caches are sized from the sliced k_proj).
+    Call before setup_caches (the caches are sized from the attention's sliced head counts).
     """
     tp, r = dist.get_world_size(group), dist.get_rank(group)
     args = model.args
@@ -83,15 +84,25 @@ def apply_tensor_parallel(model: Transformer, group) -> ShardPlan:
         linear.out_features, linear.in_features = linear.weight.shape
         plan[f"{name}.weight"] = shard
 
+    def shard_fused(prefix: str, linear: FusedLinear, shards: dict[str, Shard]) -> None:
+        # Each part (rows stacked along dim 0) keeps its own slice; the slices stay stacked.
+        parts = linear.weight.split(list(linear.parts.values()), dim=0)
+        kept = [p.narrow(0, shards[n].start, shards[n].length) for n, p in zip(linear.parts, parts)]
+        linear.weight = nn.Parameter(torch.cat(kept), requires_grad=False)
+        linear.out_features = linear.weight.shape[0]
+        for n in linear.parts:
+            linear.parts[n] = shards[n].length
+            plan[f"{prefix}.{n}.weight"] = shards[n]
+
     for i, layer in enumerate(model.layers):
         a, m = layer.self_attn, layer.mlp
         p = f"layers.{i}"
-        shard_linear(f"{p}.self_attn.q_proj", a.q_proj, chunk(args.n_heads * D, 0))
-        shard_linear(f"{p}.self_attn.k_proj", a.k_proj, kv_shard)
-        shard_linear(f"{p}.self_attn.v_proj", a.v_proj, kv_shard)
+        shard_fused(f"{p}.self_attn", a.qkv_proj, {"q_proj": chunk(args.n_heads * D, 0),
+                                                   "k_proj": kv_shard, "v_proj": kv_shard})
+        a.n_heads, a.n_kv_heads = args.n_heads // tp, kv_shard.length // D
         shard_linear(f"{p}.self_attn.o_proj", a.o_proj, chunk(args.n_heads * D, 1))
-        shard_linear(f"{p}.mlp.gate_proj", m.gate_proj, chunk(args.intermediate_size, 0))
-        shard_linear(f"{p}.mlp.up_proj", m.up_proj, chunk(args.intermediate_size, 0))
+        inter = chunk(args.intermediate_size, 0)
+        shard_fused(f"{p}.mlp", m.gate_up_proj, {"gate_proj": inter, "up_proj": inter})
         shard_linear(f"{p}.mlp.down_proj", m.down_proj, chunk(args.intermediate_size, 1))
         a.o_proj.register_forward_hook(_all_reduce_hook(group))
         m.down_proj.register_forward_hook(_all_reduce_hook(group))

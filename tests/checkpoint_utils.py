@@ -11,7 +11,7 @@ import torch
 
 from longctx.config import ModelArgs
 from longctx.parallel.build import build_model
-from longctx.weights import RandomWeights
+from longctx.weights import RandomWeights, checkpoint_tensors
 
 WORDS = ["<unk>", "hello", "world", "the", "cache", "is", "long", "and", "fast"]
 
@@ -27,7 +27,7 @@ def write_checkpoint(path: Path, args: ModelArgs, seed: int = 0) -> None:
     model = build_model(args, weights=RandomWeights(seed), device="cpu", dtype=torch.float32,
                         batch=1, max_seq_len=1)
     tensors = {(n if n == "lm_head.weight" else "model." + n): p.contiguous()
-               for n, p in model.named_parameters()}
+               for n, p in checkpoint_tensors(model).items()}
     path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path / "model.safetensors"))
     (path / "config.json").write_text(json.dumps({

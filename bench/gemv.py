@@ -1,0 +1,79 @@
+"""Batch-1 GEMV efficiency of torch's linear (cuBLAS) on the CodeLlama-34B projection shapes:
+the weights are most of a decode step's bytes, so this is the ceiling a model step can reach.
+
+    python bench/gemv.py [--tp 1] [--dtype bfloat16]
+
+Each shape is timed as a chain of linears over distinct weight copies (> 4x the L2, so every
+weight comes from HBM, as in a model step), captured in one CUDA graph; µs per linear and the
+bandwidth it reaches are printed against the streaming-read bandwidth of the same GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+from longctx.kernels.bandwidth import read_bandwidth
+
+
+def chain_us(out_f: int, in_f: int, dtype: torch.dtype, min_bytes: int = 1 << 30) -> float:
+    copies = max(4, -(-min_bytes // (out_f * in_f * 2)))
+    ws = [torch.randn(out_f, in_f, device="cuda", dtype=dtype) * 0.02 for _ in range(copies)]
+    x = torch.randn(1, in_f, device="cuda", dtype=dtype)
+
+    def step():
+        for w in ws:
+            F.linear(x, w)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+    for _ in range(3):
+        g.replay()
+    times = []
+    for _ in range(10):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / copies)
+    del ws
+    torch.cuda.empty_cache()
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--dtype", default="bfloat16")
+    a = p.parse_args()
+    dtype = getattr(torch, a.dtype)
+    bw = read_bandwidth()
+    dim, inter, hq, hkv, hd, vocab = 8192, 22016, 64, 8, 128, 32000
+    t = a.tp
+    shapes = {
+        "q": (hq * hd // t, dim), "k or v": (max(1, hkv // t) * hd, dim),
+        "qkv fused": ((hq // t + 2 * max(1, hkv // t)) * hd, dim), "o": (dim, hq * hd // t),
+        "gate or up": (inter // t, dim), "gate_up fused": (2 * inter // t, dim),
+        "down": (dim, inter // t), "lm_head": (vocab // t, dim),
+    }
+    print(f"{torch.cuda.get_device_name()}  read bandwidth {bw / 1e12:.2f} TB/s  tp={t} {a.dtype}")
+    print(f"{'linear':<14} {'out x in':>14} {'MB':>7} {'µs':>8} {'floor µs':>9} {'% BW':>6}")
+    for name, (o, i) in shapes.items():
+        us = chain_us(o, i, dtype)
+        nbytes = o * i * torch.finfo(dtype).bits // 8
+        floor = nbytes / bw * 1e6
+        print(f"{name:<14} {f'{o}x{i}':>14} {nbytes / 1e6:7.1f} {us:8.1f} {floor:9.1f} "
+              f"{100 * floor / us:5.0f}%")
+
+
+if __name__ == "__main__":
+    main()
