@@ -1,5 +1,6 @@
-"""Batch-1 GEMV efficiency of torch's linear (cuBLAS) on the CodeLlama-34B projection shapes:
-the weights are most of a decode step's bytes, so this is the ceiling a model step can reach.
+"""Batch-1 GEMV efficiency on the CodeLlama-34B projection shapes: torch's linear (cuBLAS)
+against longctx's Triton GEMV (kernels/gemv.py; its heuristic config and a few others). The
+weights are most of a decode step's bytes, so this is the ceiling a model step can reach.
 
     python bench/gemv.py [--tp 1] [--dtype bfloat16]
 
@@ -11,21 +12,27 @@ bandwidth it reaches are printed against the streaming-read bandwidth of the sam
 from __future__ import annotations
 
 import argparse
+import functools
 
 import torch
 import torch.nn.functional as F
 
 from longctx.kernels.bandwidth import read_bandwidth
+from longctx.kernels.gemv import gemv
 
 
-def chain_us(out_f: int, in_f: int, dtype: torch.dtype, min_bytes: int = 1 << 30) -> float:
+def chain_us(out_f: int, in_f: int, dtype: torch.dtype, fn=F.linear,
+             min_bytes: int = 1 << 30) -> float:
     copies = max(4, -(-min_bytes // (out_f * in_f * 2)))
     ws = [torch.randn(out_f, in_f, device="cuda", dtype=dtype) * 0.02 for _ in range(copies)]
     x = torch.randn(1, in_f, device="cuda", dtype=dtype)
+    ref = x.float() @ ws[0].float().T
+    err = (fn(x, ws[0]).float() - ref).abs().max().item()
+    assert err <= 2 * torch.finfo(dtype).eps * ref.abs().max().item(), f"{fn}: max error {err}"
 
     def step():
         for w in ws:
-            F.linear(x, w)
+            fn(x, w)
 
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -54,6 +61,8 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--configs", nargs="*", default=[],
+                   help="extra Triton GEMV configs BLOCK_N,BLOCK_K,warps, e.g. 8,512,4")
     a = p.parse_args()
     dtype = getattr(torch, a.dtype)
     bw = read_bandwidth()
@@ -66,13 +75,19 @@ def main() -> None:
         "down": (dim, inter // t), "lm_head": (vocab // t, dim),
     }
     print(f"{torch.cuda.get_device_name()}  read bandwidth {bw / 1e12:.2f} TB/s  tp={t} {a.dtype}")
-    print(f"{'linear':<14} {'out x in':>14} {'MB':>7} {'µs':>8} {'floor µs':>9} {'% BW':>6}")
+    variants = {"cuBLAS": F.linear, "triton": gemv}
+    for cfg in a.configs:
+        variants[f"triton {cfg}"] = functools.partial(gemv, config=tuple(int(v) for v in cfg.split(",")))
+    print(f"{'linear':<14} {'out x in':>14} {'MB':>7} {'floor µs':>9}  " +
+          "  ".join(f"{v:>16}" for v in variants))
     for name, (o, i) in shapes.items():
-        us = chain_us(o, i, dtype)
         nbytes = o * i * torch.finfo(dtype).bits // 8
         floor = nbytes / bw * 1e6
-        print(f"{name:<14} {f'{o}x{i}':>14} {nbytes / 1e6:7.1f} {us:8.1f} {floor:9.1f} "
-              f"{100 * floor / us:5.0f}%")
+        cells = []
+        for fn in variants.values():
+            us = chain_us(o, i, dtype, fn)
+            cells.append(f"{us:8.1f} µs {100 * floor / us:3.0f}%")
+        print(f"{name:<14} {f'{o}x{i}':>14} {nbytes / 1e6:7.1f} {floor:9.1f}  " + "  ".join(cells))
 
 
 if __name__ == "__main__":

@@ -51,7 +51,7 @@ def main() -> None:
     with torch.no_grad():
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        out = model(ids, past_key_values=cache, use_cache=True,
+        out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1,
                     cache_position=torch.arange(a.context, device="cuda"))
         nxt = out.logits[:, -1].argmax(-1, keepdim=True)
         torch.cuda.synchronize()

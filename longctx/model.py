@@ -21,7 +21,7 @@ from torch import nn
 from longctx.attention import attention
 from longctx.config import ModelArgs
 from longctx.decode import decode
-from longctx.ops import rms_norm, rope_, rope_tables, silu_mul, store_kv
+from longctx.ops import linear, rms_norm, rope_, rope_tables, silu_mul, store_kv
 
 
 class RMSNorm(nn.Module):
@@ -84,7 +84,18 @@ class KVCache(nn.Module):
                       return_lse=return_lse)
 
 
-class FusedLinear(nn.Linear):
+class Linear(nn.Linear):
+    """nn.Linear without bias whose batch-1 product runs longctx.ops.linear (a Triton GEMV on
+    CUDA). Forward hooks (tensor parallelism's all-reduce) apply as to any nn.Linear."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__(in_features, out_features, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight)
+
+
+class FusedLinear(Linear):
     """One Linear (no bias) whose output rows are several checkpoint tensors stacked, e.g. q, k
     and v: at batch 1 one large GEMV reads the weights closer to the bandwidth limit than a few
     small ones. `parts` maps each tensor's name (relative to this module's parent) to its rows
@@ -92,12 +103,9 @@ class FusedLinear(nn.Linear):
     each part and updates the row counts."""
 
     def __init__(self, in_features: int, parts: dict[str, int]) -> None:
-        super().__init__(in_features, sum(parts.values()), bias=False)
+        super().__init__(in_features, sum(parts.values()))
         self.parts = dict(parts)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., in] -> [..., rows]: the parts' outputs side by side, in `parts` order."""
-        return super().forward(x)
 
 
 class Attention(nn.Module):
@@ -109,7 +117,7 @@ class Attention(nn.Module):
         self.qkv_proj = FusedLinear(args.dim, {"q_proj": args.n_heads * D,
                                                "k_proj": args.n_kv_heads * D,
                                                "v_proj": args.n_kv_heads * D})
-        self.o_proj = nn.Linear(args.n_heads * D, args.dim, bias=False)
+        self.o_proj = Linear(args.n_heads * D, args.dim)
         self.kv_cache: KVCache | None = None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
@@ -134,7 +142,7 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = FusedLinear(args.dim, {"gate_proj": args.intermediate_size,
                                                    "up_proj": args.intermediate_size})
-        self.down_proj = nn.Linear(args.intermediate_size, args.dim, bias=False)
+        self.down_proj = Linear(args.intermediate_size, args.dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_mul(self.gate_up_proj(x)))
@@ -172,7 +180,7 @@ class Transformer(nn.Module):
                                          _weight=torch.empty(args.vocab_size, args.dim))
         self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.lm_head = Linear(args.dim, args.vocab_size)
         # (batch, max_seq_len, n_kv_heads, head_dim, dtype, device) -> a layer's cache.
         self.make_cache: CacheFactory = KVCache
         self.max_seq_len = 0

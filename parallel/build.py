@@ -24,7 +24,7 @@ def build_model(args: ModelArgs, *, weights: WeightSource, device: torch.device 
     model.to(dtype)
     plan: ShardPlan = {}
     if mesh is not None and mesh["tp"].size() > 1:
-        plan = apply_tensor_parallel(model, mesh.get_group("tp"))
+        plan = apply_tensor_parallel(model, mesh.get_group("tp"), torch.device(device), dtype)
     if mesh is not None and mesh["sp"].size() > 1:
         apply_sequence_parallel(model, mesh.get_group("sp"))
     model.to_empty(device=device)

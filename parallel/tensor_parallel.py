@@ -8,6 +8,8 @@ rank reads) as well as on a model with real weights (slicing them).
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -16,10 +18,61 @@ from torch import nn
 from longctx.model import FusedLinear, Transformer
 from longctx.weights import Shard, ShardPlan
 
+log = logging.getLogger("longctx")
 
-def _all_reduce_hook(group):
+
+class SymmetricMemoryAllReduce:
+    """Sum all-reduce for the small row-parallel outputs of a decode step ([B, 1, dim]: 16 KB
+    at batch 1, two per layer), through torch symmetric memory: one kernel copies the input into
+    this rank's registered buffer, meets the peers at a barrier and sums every rank's buffer with
+    peer-to-peer loads over NVLink (no NVLink multicast). About half NCCL's latency for such
+    sizes (bench/allreduce.py: 6.7 vs 13.4 µs on 2x H200, in a CUDA graph).
+
+    Two buffers are used alternately: a rank may start the next all-reduce (writing its buffer)
+    as soon as it has passed this one's barrier, while a peer may still be reading the buffer of
+    this one. Larger tensors (prefill) go to NCCL.
+    """
+
+    MAX_BYTES = 1 << 20
+
+    def __init__(self, group, device: torch.device, dtype: torch.dtype) -> None:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.group, self.name = group, group.group_name
+        if hasattr(symm_mem, "enable_symm_mem_for_group") and not (
+                hasattr(symm_mem, "is_symm_mem_enabled_for_group")
+                and symm_mem.is_symm_mem_enabled_for_group(self.name)):
+            symm_mem.enable_symm_mem_for_group(self.name)  # needed by older torch releases
+        self.numel = self.MAX_BYTES // dtype.itemsize
+        self.bufs = [symm_mem.empty(self.numel, dtype=dtype, device=device) for _ in range(2)]
+        for b in self.bufs:
+            symm_mem.rendezvous(b, self.name)
+        self.dtype, self.calls = dtype, 0
+
+    @staticmethod
+    def available(device: torch.device) -> bool:
+        return device.type == "cuda" and hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out")
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum over the group of x (a new tensor, or x reduced in place by NCCL)."""
+        if x.numel() > self.numel or x.dtype != self.dtype or not x.is_contiguous():
+            dist.all_reduce(x, group=self.group)
+            return x
+        buf = self.bufs[self.calls % 2]
+        self.calls += 1
+        out = torch.empty_like(x)
+        torch.ops.symm_mem.one_shot_all_reduce_copy_out(buf[:x.numel()], x.view(-1), "sum",
+                                                       self.name, out.view(-1))
+        return out
+
+
+def _all_reduce_hook(group, symmetric: SymmetricMemoryAllReduce | None):
     def hook(_module, _inputs, out):
-        dist.all_reduce(out, group=group)  # row-parallel partial sums -> full output, in place
+        # row-parallel partial sums -> the full output
+        if symmetric is not None:
+            return symmetric(out)
+        dist.all_reduce(out, group=group)
+        return out
     return hook
 
 
@@ -57,13 +110,16 @@ def _narrow(weight: torch.Tensor, shard: Shard) -> nn.Parameter:
                         requires_grad=False)
 
 
-def apply_tensor_parallel(model: Transformer, group) -> ShardPlan:
+def apply_tensor_parallel(model: Transformer, group, device: torch.device | None = None,
+                          dtype: torch.dtype | None = None) -> ShardPlan:
     """Shard `model` over the ranks of `group` in place; returns the Shard of each sliced
     checkpoint tensor (e.g. layers.0.self_attn.k_proj.weight, a part of the fused qkv_proj).
 
     Rank r keeps query heads [r*Hq/tp, (r+1)*Hq/tp) and the KV heads they read: a tp-th of the KV
     heads, or, when tp > Hkv, the one KV head of its query heads (replicated on tp/Hkv ranks).
     Call before setup_caches (the caches are sized from the attention's sliced head counts).
+    On CUDA (`device`, with the weights' `dtype`) the row-parallel all-reduces of decode steps go
+    through symmetric memory where torch provides it (SymmetricMemoryAllReduce), else NCCL.
     """
     tp, r = dist.get_world_size(group), dist.get_rank(group)
     args = model.args
@@ -94,6 +150,15 @@ def apply_tensor_parallel(model: Transformer, group) -> ShardPlan:
             linear.parts[n] = shards[n].length
             plan[f"{prefix}.{n}.weight"] = shards[n]
 
+    symmetric = None
+    if device is not None and SymmetricMemoryAllReduce.available(torch.device(device)):
+        try:
+            symmetric = SymmetricMemoryAllReduce(group, torch.device(device), dtype)
+        except Exception as e:  # e.g. no peer access between the GPUs: NCCL does it all
+            log.warning(f"symmetric-memory all-reduce unavailable ({type(e).__name__}: {e}); "
+                        "using NCCL")
+        else:
+            log.info("tensor parallel: decode all-reduces through symmetric memory (one-shot)")
     for i, layer in enumerate(model.layers):
         a, m = layer.self_attn, layer.mlp
         p = f"layers.{i}"
@@ -104,8 +169,8 @@ def apply_tensor_parallel(model: Transformer, group) -> ShardPlan:
         inter = chunk(args.intermediate_size, 0)
         shard_fused(f"{p}.mlp", m.gate_up_proj, {"gate_proj": inter, "up_proj": inter})
         shard_linear(f"{p}.mlp.down_proj", m.down_proj, chunk(args.intermediate_size, 1))
-        a.o_proj.register_forward_hook(_all_reduce_hook(group))
-        m.down_proj.register_forward_hook(_all_reduce_hook(group))
+        a.o_proj.register_forward_hook(_all_reduce_hook(group, symmetric))
+        m.down_proj.register_forward_hook(_all_reduce_hook(group, symmetric))
 
     vocab = chunk(args.vocab_size, 0)
     model.embed_tokens = VocabParallelEmbedding(

@@ -107,3 +107,18 @@ def test_rms_norm_with_residual_add(dtype, device):
     assert torch.equal(s_got, x + add) and torch.equal(s_want, x + add)
     torch.testing.assert_close(y_want, ops.rms_norm(x + add, w, 1e-5), rtol=0, atol=0)
     torch.testing.assert_close(y_got.float(), y_want.float(), **_tol(dtype))
+
+
+@pytest.mark.parametrize("N,K", [(37, 100), (130, 700), (64, 1536)])
+def test_linear_one_row_gemv(N, K, device):
+    """The batch-1 GEMV against float64, within 2x torch's error in the same dtype (odd N and K:
+    masked rows and a K tail)."""
+    w = torch.randn(N, K, device=device).to(torch.float16)
+    x = torch.randn(1, 1, K, device=device).to(torch.float16)
+    want = x.double() @ w.double().T
+    with force_triton(not x.is_cuda):
+        got = ops.linear(x, w)
+    assert got.shape == (1, 1, N) and got.dtype == torch.float16
+    plain = torch.nn.functional.linear(x.float(), w.float()).half()  # fp32 accumulate, one rounding
+    err, err_plain = (got.double() - want).abs().max(), (plain.double() - want).abs().max()
+    assert err <= 2 * err_plain + 1e-6, (err, err_plain)

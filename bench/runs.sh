@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The model-level measurements of BENCHMARKS.md on one host (run from the repository root on a GPU
+# machine; Hydra may come as wheels in .whl/). Output goes to $OUT (default bench/results/raw).
+#   bash bench/runs.sh decode 16384 65536   # CodeLlama-34B decode: tp=G and sp=G (G=1: one run each)
+#   bash bench/runs.sh hf 16384 65536       # the transformers peer on one GPU at these contexts
+#   bash bench/runs.sh ring                 # ring prefill vs one GPU and torch context parallel
+#   bash bench/runs.sh allreduce            # NCCL vs symmetric-memory all-reduce latency
+# G = NGPU (default: all visible GPUs).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+source bench/device_env.sh || exit 1
+out=${OUT:-bench/results/raw}
+mkdir -p "$out"
+G=${NGPU:-$(python3 -c "import torch; print(torch.cuda.device_count())")}
+what=$1
+shift
+run() { echo "+ $*"; "$@" 2>&1 | grep -v -i "warn" | tee -a "$out/runs.log"; }
+case $what in
+  ring)
+    for S in 32768 131072; do
+      run torchrun --nproc_per_node="$G" launch/prefill.py seq_len=$S q_heads=32 kv_heads=32 \
+        head_dim=128 dtype=bfloat16 causal=true warmup=2 iters=5 compare_max_len=131072 \
+        "peers=[cp_cudnn,cp_flash]"
+    done
+    run torchrun --nproc_per_node="$G" launch/prefill.py seq_len=32768 q_heads=32 kv_heads=8 \
+      head_dim=128 dtype=bfloat16 causal=true warmup=2 iters=5 "peers=[cp_cudnn]"
+    ;;
+  allreduce)
+    run torchrun --nproc_per_node="$G" bench/allreduce.py
+    ;;
+  decode)
+    layouts=("parallel.tp=$G" "parallel.sp=$G")
+    [ "$G" = 1 ] && layouts=("parallel.tp=1")
+    for C in "$@"; do
+      for par in "${layouts[@]}"; do
+        run torchrun --nproc_per_node="$G" launch/decode.py +model=codellama34b "$par" \
+          context_len="$C" gen_len=64 profile="${PROFILE:-false}" output="$out/decode"
+      done
+    done
+    ;;
+  hf)
+    for C in "$@"; do
+      run python3 bench/hf_peer.py --context "$C" --gen 24 --out "$out/hf_peer_$C.json"
+    done
+    ;;
+  *) echo "unknown: $what (decode <contexts> | hf <contexts> | ring | allreduce)"; exit 2 ;;
+esac

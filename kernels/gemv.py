@@ -1,0 +1,64 @@
+"""Matrix-vector product for batch-1 decoding: y [1, N] = x [1, K] @ W[N, K]^T.
+
+At batch 1 a linear layer is a pure stream of its weights, so the ceiling is the HBM read
+bandwidth. Each program owns BLOCK_N rows of W and walks K in BLOCK_K steps, multiplying in
+fp32 into a [BLOCK_N, BLOCK_K] register tile that is summed once at the end (no per-step
+reductions); many small programs per SM keep enough loads in flight to cover HBM latency.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from longctx.kernels.utils import device_sms
+
+
+@triton.jit
+def _gemv_kernel(X, W, Y, N, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 EVEN_K: tl.constexpr):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    # Rows past N read row N-1 (in bounds, discarded at the store): no mask on the hot loads.
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64) * stride_wn
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + offs_k
+        if EVEN_K:
+            w = tl.load(W + rows[:, None] + ks[None, :], eviction_policy="evict_first")
+            x = tl.load(X + ks)
+        else:
+            w = tl.load(W + rows[:, None] + ks[None, :], mask=(ks < K)[None, :], other=0.0,
+                        eviction_policy="evict_first")
+            x = tl.load(X + ks, mask=ks < K, other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    tl.store(Y + offs_n, tl.sum(acc, axis=1).to(Y.dtype.element_ty), mask=mask_n)
+
+
+def gemv_config(N: int, K: int, sms: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps): 512-wide K steps (1 KB of each bf16 row per load) and rows
+    per program chosen so that there are at least ~6 programs per SM (a short tail)."""
+    block_k = 512 if K >= 512 else triton.next_power_of_2(K)
+    block_n = 16
+    while block_n > 2 and triton.cdiv(N, block_n) < 6 * sms:
+        block_n //= 2
+    return block_n, block_k, 4
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
+         config: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """x [..., K] holding one row, weight [N, K] (unit stride in K) -> [..., N] in x's dtype
+    (fp32 accumulation). `out` may be given (contiguous, x's shape with N last)."""
+    N, K = weight.shape
+    x1 = x.reshape(-1)
+    if x1.numel() != K:
+        raise ValueError(f"gemv takes one row: x has {x1.numel()} elements, weight is {N}x{K}")
+    if out is None:
+        out = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
+    block_n, block_k, warps = config or gemv_config(N, K, device_sms(x.device))
+    _gemv_kernel[(triton.cdiv(N, block_n),)](
+        x1, weight, out, N, K, weight.stride(0), BLOCK_N=block_n, BLOCK_K=block_k,
+        EVEN_K=K % block_k == 0, num_warps=warps)
+    return out
