@@ -33,8 +33,10 @@ case $what in
     [ "$G" = 1 ] && layouts=("parallel.tp=1")
     for C in "$@"; do
       for par in "${layouts[@]}"; do
+        tag="decode_g${G}_$(echo "${par#parallel.}" | tr -d =)_$C"
         run torchrun --nproc_per_node="$G" launch/decode.py +model=codellama34b "$par" \
-          context_len="$C" gen_len=64 profile="${PROFILE:-false}" output="$out/decode"
+          context_len="$C" gen_len=64 profile="${PROFILE:-false}" output="/tmp/runs/$tag"
+        cp "$(ls -d /tmp/runs/"$tag"/*/ | tail -1)summary.json" "$out/$tag.json"
       done
     done
     ;;

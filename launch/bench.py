@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
 import sys
 from collections.abc import Callable
 from datetime import datetime, timezone
@@ -25,6 +23,7 @@ import triton
 from omegaconf import DictConfig, OmegaConf
 
 import longctx
+from longctx.hardware import code_commit
 from longctx.kernels.bandwidth import read_bandwidth
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -313,12 +312,7 @@ def plot(case: str, result: dict, peers, path: Path) -> None:
 
 
 def environment() -> dict:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                                capture_output=True, text=True).stdout.strip() or None
-    except OSError:
-        commit = None
-    commit = commit or os.environ.get("LONGCTX_COMMIT")  # a copy of the tree without .git
+    commit = code_commit()
     return {"device": torch.cuda.get_device_name(), "date": datetime.now(timezone.utc).isoformat(),
             "commit": commit, "torch": torch.__version__, "triton": triton.__version__,
             "sms": torch.cuda.get_device_properties(0).multi_processor_count}

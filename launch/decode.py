@@ -32,7 +32,7 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from longctx.config import ModelArgs, check_decode_config, resolve_dtype  # noqa: E402
 from longctx.generate import Generation, generate  # noqa: E402
-from longctx.hardware import available_memory, read_bandwidth  # noqa: E402
+from longctx.hardware import available_memory, code_commit, read_bandwidth  # noqa: E402
 from longctx.parallel.memory import GiB, check_memory  # noqa: E402
 from longctx.model import Transformer  # noqa: E402
 from longctx.parallel.build import build_model  # noqa: E402
@@ -165,7 +165,8 @@ def run(cfg: DictConfig, device: torch.device, rank: int, world: int, run_dir: P
     cuda_graphs = bool(cfg.cuda_graphs) and device.type == "cuda"
     info = {"model": args.name, "params": args.num_params(), "dtype": str(dtype).removeprefix("torch."),
             "device": device_name(device), "world_size": world, "tp": dims.tp, "sp": dims.sp,
-            "batch": B, "prompt_len": P, "gen_len": cfg.gen_len, "cuda_graphs": cuda_graphs}
+            "batch": B, "prompt_len": P, "gen_len": cfg.gen_len, "cuda_graphs": cuda_graphs,
+            "commit": code_commit(), "torch": torch.__version__}
     log.info(f"run directory {run_dir}")
     n = info["params"]
     size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import time
+from pathlib import Path
 
 import torch
 
@@ -39,3 +41,19 @@ def read_bandwidth(device: torch.device) -> tuple[float, str]:
         dst.copy_(src)
     s = time.perf_counter() - t0
     return reps * src.nbytes / s, "CPU memcpy read rate (128 MiB), not a physical limit"
+
+
+def code_commit() -> str | None:
+    """The longctx commit being run: $LONGCTX_COMMIT when set (a copy of the tree without its
+    .git, as on a rented GPU machine), else `git rev-parse` of the checkout, else None."""
+    if os.environ.get("LONGCTX_COMMIT"):
+        return os.environ["LONGCTX_COMMIT"]
+    root = Path(__file__).resolve().parents[1]
+    if not (root / ".git").exists():
+        return None  # do not report an enclosing repository's commit
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root,
+                             capture_output=True, text=True)
+    except OSError:
+        return None
+    return out.stdout.strip() or None
