@@ -5,7 +5,8 @@ weights are most of a decode step's bytes, so this is the ceiling a model step c
     python bench/gemv.py [--tp 1] [--dtype bfloat16]
 
 Each shape is timed as a chain of linears over distinct weight copies (> 4x the L2, so every
-weight comes from HBM, as in a model step), captured in one CUDA graph; µs per linear and the
+weight comes from HBM, as in a model step), captured in one CUDA graph and timed with
+launch/bench.py's graph_ms (median of replays, cold L2); µs per linear and the
 bandwidth it reaches are printed against the streaming-read bandwidth of the same GPU.
 """
 
@@ -13,12 +14,24 @@ from __future__ import annotations
 
 import argparse
 import functools
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from longctx.kernels.bandwidth import read_bandwidth
-from longctx.kernels.gemv import gemv
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch"))
+from bench import graph_ms  # noqa: E402
+
+from longctx.kernels.bandwidth import read_bandwidth  # noqa: E402
+from longctx.kernels.gemv import gemv  # noqa: E402
+
+
+class _Timing:  # what launch/bench.py's graph_ms reads from its config
+    warmup_ms, rep_ms = 5, 20
+
+
+TIMING = _Timing()
 
 
 def chain_us(out_f: int, in_f: int, dtype: torch.dtype, fn=F.linear,
@@ -34,27 +47,10 @@ def chain_us(out_f: int, in_f: int, dtype: torch.dtype, fn=F.linear,
         for w in ws:
             fn(x, w)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        step()
-    for _ in range(3):
-        g.replay()
-    times = []
-    for _ in range(10):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / copies)
+    us = graph_ms(step, TIMING) * 1e3 / copies
     del ws
     torch.cuda.empty_cache()
-    return sorted(times)[len(times) // 2]
+    return us
 
 
 def main() -> None:

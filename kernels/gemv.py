@@ -53,16 +53,15 @@ def gemv_config(N: int, K: int, sms: int) -> tuple[int, int, int]:
     return block_n, block_k, 4
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
+def gemv(x: torch.Tensor, weight: torch.Tensor,
          config: tuple[int, int, int] | None = None) -> torch.Tensor:
     """x [..., K] holding one row, weight [N, K] (unit stride in K) -> [..., N] in x's dtype
-    (fp32 accumulation). `out` may be given (contiguous, x's shape with N last)."""
+    (fp32 accumulation). `config` overrides gemv_config, for tuning sweeps."""
     N, K = weight.shape
     x1 = x.reshape(-1)
     if x1.numel() != K:
         raise ValueError(f"gemv takes one row: x has {x1.numel()} elements, weight is {N}x{K}")
-    if out is None:
-        out = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
+    out = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
     block_n, block_k, warps = config or gemv_config(N, K, device_sms(x.device))
     _gemv_kernel[(triton.cdiv(N, block_n),)](
         x1, weight, out, N, K, weight.stride(0), BLOCK_N=block_n, BLOCK_K=block_k,

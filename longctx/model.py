@@ -49,7 +49,6 @@ class KVCache(nn.Module):
         shape = (batch, max_seq_len, n_kv_heads, head_dim)
         self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("batch_idx", torch.arange(batch, device=device), persistent=False)
 
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 input_pos: torch.Tensor) -> torch.Tensor:
@@ -105,7 +104,6 @@ class FusedLinear(Linear):
     def __init__(self, in_features: int, parts: dict[str, int]) -> None:
         super().__init__(in_features, sum(parts.values()))
         self.parts = dict(parts)
-
 
 
 class Attention(nn.Module):
