@@ -22,7 +22,7 @@ import triton.language as tl
 
 from longctx.backend import interpreter_active
 from longctx.kernels.merge import merge_states_triton
-from longctx.kernels.utils import device_sms
+from longctx.kernels.utils import device_sms, pdl_launch, pdl_wait
 
 __all__ = ["flash_decode", "flash_decode_partials", "choose_num_splits"]
 
@@ -115,7 +115,9 @@ def _decode_split_kernel(
     PAGE_SIZE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     INTERPRET_LOOP: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)  # q and the newest K/V come from the kernels before
     split = tl.program_id(0)
     bh = tl.program_id(1)
     hblk = tl.program_id(2)
@@ -284,6 +286,7 @@ def flash_decode_partials(
         INTERPRET_LOOP=_INTERPRET,
         num_warps=num_warps,
         num_stages=num_stages,
+        **pdl_launch(q.device),
     )
     return o_part, lse_part
 

@@ -13,10 +13,12 @@ import torch
 import triton
 import triton.language as tl
 
+from longctx.kernels.utils import pdl_launch, pdl_wait
+
 
 @triton.jit
 def _rms_norm_kernel(X, A, S, W, Y, stride_x, stride_a, stride_s, stride_y, N, eps,
-                     HAS_ADD: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_ADD: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     # One program per row: y = w * (x / sqrt(mean(x^2) + eps)), normalised in fp32, rounded to
     # the input dtype before the weight multiply (as the Llama reference does). With HAS_ADD the
     # row is first x + a, rounded to the dtype and also stored to S (the residual stream), so a
@@ -24,6 +26,8 @@ def _rms_norm_kernel(X, A, S, W, Y, stride_x, stride_a, stride_s, stride_y, N, e
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
+    w = tl.load(W + offs, mask=mask, other=0.0)  # a weight: no kernel writes it
+    pdl_wait(USE_PDL)
     x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0)
     if HAS_ADD:
         a = tl.load(A + row * stride_a + offs, mask=mask, other=0.0)
@@ -32,7 +36,6 @@ def _rms_norm_kernel(X, A, S, W, Y, stride_x, stride_a, stride_s, stride_y, N, e
     x = x.to(tl.float32)
     inv = tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
     xn = (x * inv).to(Y.dtype.element_ty)
-    w = tl.load(W + offs, mask=mask, other=0.0)
     tl.store(Y + row * stride_y + offs, (w.to(tl.float32) * xn.to(tl.float32)).to(Y.dtype.element_ty),
              mask=mask)
 
@@ -49,7 +52,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     BLOCK = triton.next_power_of_2(N)
     _rms_norm_kernel[(x2.shape[0],)](x2, a2, s2, weight, y, x2.stride(0), a2.stride(0),
                                      s2.stride(0), y.stride(0), N, eps, HAS_ADD=add is not None,
-                                     BLOCK=BLOCK, num_warps=min(16, max(1, BLOCK // 512)))
+                                     BLOCK=BLOCK, num_warps=min(16, max(1, BLOCK // 512)),
+                                     **pdl_launch(x.device))
     if add is None:
         return y.view(x.shape)
     return s2.view(x.shape), y.view(x.shape)
@@ -57,9 +61,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 @triton.jit
 def _rope_kernel(X, COS, SIN, POS, stride_xb, stride_xs, stride_xh, stride_pb, stride_ps,
-                 S, H, stride_t, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+                 S, H, stride_t, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+                 USE_PDL: tl.constexpr):
     # One program per (token, block of heads): rotate-half RoPE in place,
     # x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin, in fp32 (cos/sin tables are fp32).
+    pdl_wait(USE_PDL)
     t = tl.program_id(0)
     b = (t // S).to(tl.int64)
     s = (t % S).to(tl.int64)
@@ -83,14 +89,15 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tens
     BLOCK_H = min(triton.next_power_of_2(H), 16)
     _rope_kernel[(B * S, triton.cdiv(H, BLOCK_H))](
         x, cos, sin, pos, x.stride(0), x.stride(1), x.stride(2), pos.stride(0), pos.stride(1),
-        S, H, cos.stride(0), HALF=D // 2, BLOCK_H=BLOCK_H, num_warps=2)
+        S, H, cos.stride(0), HALF=D // 2, BLOCK_H=BLOCK_H, num_warps=2, **pdl_launch(x.device))
     return x
 
 
 @triton.jit
-def _silu_mul_kernel(GU, Y, I, BLOCK: tl.constexpr):
+def _silu_mul_kernel(GU, Y, I, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     # Row r of GU holds [gate (I) | up (I)]: y = silu(gate) * up, silu in fp32 rounded to the
     # input dtype first (as F.silu(gate) * up does).
+    pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < I
@@ -106,16 +113,18 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     y = gate_up.new_empty(*gate_up.shape[:-1], I)
     rows = gate_up.numel() // (2 * I)
     BLOCK = 1024
-    _silu_mul_kernel[(rows, triton.cdiv(I, BLOCK))](gate_up, y, I, BLOCK=BLOCK, num_warps=4)
+    _silu_mul_kernel[(rows, triton.cdiv(I, BLOCK))](gate_up, y, I, BLOCK=BLOCK, num_warps=4,
+                                                     **pdl_launch(gate_up.device))
     return y
 
 
 @triton.jit
 def _store_kv_kernel(KC, VC, K, V, SLOT, S_MAX, stride_cb, stride_cs, stride_ch,
                      stride_kb, stride_kh, stride_vb, stride_vh, H,
-                     BLOCK_H: tl.constexpr, D: tl.constexpr):
+                     BLOCK_H: tl.constexpr, D: tl.constexpr, USE_PDL: tl.constexpr):
     # Program (b, 0) writes k[b] and (b, 1) writes v[b] at cache position SLOT[b]; a slot out of
     # range is skipped (the decode that follows flags its sequence with NaN).
+    pdl_wait(USE_PDL)
     b = tl.program_id(0).to(tl.int64)
     slot = tl.load(SLOT + b).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H)
@@ -138,4 +147,4 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     _store_kv_kernel[(B, 2)](k_cache, v_cache, k, v, slot, S_max, k_cache.stride(0),
                              k_cache.stride(1), k_cache.stride(2), k.stride(0), k.stride(1),
                              v.stride(0), v.stride(1), H, BLOCK_H=triton.next_power_of_2(H), D=D,
-                             num_warps=4)
+                             num_warps=4, **pdl_launch(k.device))

@@ -12,28 +12,40 @@ import torch
 import triton
 import triton.language as tl
 
-from longctx.kernels.utils import device_sms
+from longctx.kernels.utils import device_sms, pdl_launch, pdl_wait
+
+
+@triton.jit
+def _load_w(W, rows, ks, K, EVEN_K: tl.constexpr):
+    if EVEN_K:
+        return tl.load(W + rows[:, None] + ks[None, :], eviction_policy="evict_first")
+    return tl.load(W + rows[:, None] + ks[None, :], mask=(ks < K)[None, :], other=0.0,
+                   eviction_policy="evict_first")
+
+
+@triton.jit
+def _load_x(X, ks, K, EVEN_K: tl.constexpr):
+    if EVEN_K:
+        return tl.load(X + ks).to(tl.float32)
+    return tl.load(X + ks, mask=ks < K, other=0.0).to(tl.float32)
 
 
 @triton.jit
 def _gemv_kernel(X, W, Y, N, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 EVEN_K: tl.constexpr):
+                 EVEN_K: tl.constexpr, USE_PDL: tl.constexpr):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     # Rows past N read row N-1 (in bounds, discarded at the store): no mask on the hot loads.
     rows = tl.minimum(offs_n, N - 1).to(tl.int64) * stride_wn
     offs_k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    # No kernel writes the weights: the first tile's load is issued before the PDL wait, so it
+    # overlaps the previous kernel's tail; x comes from that kernel and is read after.
+    w = _load_w(W, rows, offs_k, K, EVEN_K)
+    pdl_wait(USE_PDL)
+    acc = w.to(tl.float32) * _load_x(X, offs_k, K, EVEN_K)[None, :]
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         ks = k0 + offs_k
-        if EVEN_K:
-            w = tl.load(W + rows[:, None] + ks[None, :], eviction_policy="evict_first")
-            x = tl.load(X + ks)
-        else:
-            w = tl.load(W + rows[:, None] + ks[None, :], mask=(ks < K)[None, :], other=0.0,
-                        eviction_policy="evict_first")
-            x = tl.load(X + ks, mask=ks < K, other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        acc += _load_w(W, rows, ks, K, EVEN_K).to(tl.float32) * _load_x(X, ks, K, EVEN_K)[None, :]
     tl.store(Y + offs_n, tl.sum(acc, axis=1).to(Y.dtype.element_ty), mask=mask_n)
 
 
@@ -65,5 +77,5 @@ def gemv(x: torch.Tensor, weight: torch.Tensor,
     block_n, block_k, warps = config or gemv_config(N, K, device_sms(x.device))
     _gemv_kernel[(triton.cdiv(N, block_n),)](
         x1, weight, out, N, K, weight.stride(0), BLOCK_N=block_n, BLOCK_K=block_k,
-        EVEN_K=K % block_k == 0, num_warps=warps)
+        EVEN_K=K % block_k == 0, num_warps=warps, **pdl_launch(x.device))
     return out

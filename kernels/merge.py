@@ -11,16 +11,19 @@ import torch
 import triton
 import triton.language as tl
 
+from longctx.kernels.utils import pdl_launch, pdl_wait
+
 
 @triton.jit
 def _merge_kernel(
     O, LSE, O_OUT, LSE_OUT,
     P, D,
     stride_op, stride_or, stride_lp, stride_lr, stride_out_r,
-    HAS_ACC: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_ACC: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # One program merges the P parts of one row (one query head of one token) for one chunk of
     # head_dim: decode merges have few rows, so head_dim chunks add the parallelism.
+    pdl_wait(USE_PDL)
     r = tl.program_id(0).to(tl.int64)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_mask = offs_d < D
@@ -72,7 +75,7 @@ def _launch(o3: torch.Tensor, lse2: torch.Tensor, o_out: torch.Tensor, lse_out: 
     _merge_kernel[(R, triton.cdiv(D, BLOCK_D))](
         o3, lse2, o_out, lse_out, P, D,
         o3.stride(0), o3.stride(1), lse2.stride(0), lse2.stride(1), o_out.stride(0),
-        HAS_ACC=has_acc, BLOCK_P=BLOCK_P, BLOCK_D=BLOCK_D, num_warps=2,
+        HAS_ACC=has_acc, BLOCK_P=BLOCK_P, BLOCK_D=BLOCK_D, num_warps=2, **pdl_launch(o3.device),
     )
 
 

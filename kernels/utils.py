@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
+import triton.language as tl
 
 from longctx.backend import interpreter_active
 
@@ -26,3 +28,37 @@ def device_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 132
     return num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _has_pdl(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def pdl_launch(device: torch.device) -> dict:
+    """Launch arguments for programmatic dependent launch (PDL, Hopper and later).
+
+    A decode step at batch 1 is a chain of a dozen short kernels per layer; launched with PDL a
+    kernel's programs start while its predecessor's last programs still run, instead of after
+    the predecessor has drained and flushed (each boundary otherwise costs the GPU a few µs of
+    idle SMs). Every kernel launched so must call `pdl_wait` in every program before it touches
+    memory written by earlier work or writes anything: that wait returns once the predecessor
+    has completed, and since the predecessor itself waited, once all earlier work has. Loads of
+    data no kernel writes (weights) may come before it.
+
+    Returns {"USE_PDL": True, "launch_pdl": True} on sm_90+ GPUs, else {"USE_PDL": False}
+    (CPU and the interpreter, older GPUs, or LONGCTX_PDL=0 in the environment).
+    """
+    if device.type != "cuda" or os.environ.get("LONGCTX_PDL", "1") == "0":
+        return {"USE_PDL": False}
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return {"USE_PDL": True, "launch_pdl": True} if _has_pdl(index) else {"USE_PDL": False}
+
+
+@triton.jit
+def pdl_wait(USE_PDL: tl.constexpr):
+    """With PDL: wait until the preceding kernel has completed (its writes visible), then let
+    the next kernel start launching its programs. A no-op without."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()

@@ -156,8 +156,8 @@ def merge_states_group(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge the partial states held by every rank of a process group (sequence-parallel decode).
 
-    Each rank holds the state of its own KV shard; all ranks get the merged state. Gathers
-    W x (|o| + |lse|) -- a few KB per decode step -- then runs the local N-way merge.
+    Each rank holds the state of its own KV shard; all ranks get the merged state. One
+    all-gather of W x (|o| + |lse|) -- a few KB per decode step -- then the local N-way merge.
 
     Args:
         o: [..., H, D] this rank's partial output (any float dtype).
@@ -173,10 +173,17 @@ def merge_states_group(
     world = dist.get_world_size(group)
     if world == 1:
         return o, lse
-    # Flat 1-D buffers: the one layout every backend's gather-into-tensor accepts.
+    # One collective for both tensors, packed per rank as bytes [lse | o], each part padded to
+    # 8 bytes so every view stays aligned: at decode sizes a collective's latency (~10 µs in a
+    # CUDA graph) far exceeds its transfer time.
+    parts = [lse.contiguous().view(-1).view(torch.uint8), o.contiguous().view(-1).view(torch.uint8)]
+    sizes = [p.numel() for p in parts]
+    padded = [-(-n // 8) * 8 for n in sizes]
+    pads = [parts[0].new_empty(p - n) for n, p in zip(sizes, padded)]
+    send = torch.cat([parts[0], pads[0], parts[1], pads[1]])  # pads: never read
+    recv = torch.empty(world, sum(padded), dtype=torch.uint8, device=o.device)
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    o_all = torch.empty(world * o.numel(), dtype=o.dtype, device=o.device)
-    lse_all = torch.empty(world * lse.numel(), dtype=lse.dtype, device=lse.device)
-    gather(o_all, o.contiguous().view(-1), group=group)
-    gather(lse_all, lse.contiguous().view(-1), group=group)
-    return merge_states(o_all.view(world, *o.shape), lse_all.view(world, *lse.shape), check=False)
+    gather(recv.view(-1), send, group=group)
+    lse_all = recv[:, :sizes[0]].view(lse.dtype).view(world, *lse.shape)  # strided views
+    o_all = recv[:, padded[0]:padded[0] + sizes[1]].view(o.dtype).view(world, *o.shape)
+    return merge_states(o_all, lse_all, check=False)
