@@ -32,11 +32,19 @@ def _load_x(X, ks, K, EVEN_K: tl.constexpr):
 
 @triton.jit
 def _gemv_kernel(X, W, Y, N, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 EVEN_K: tl.constexpr, USE_PDL: tl.constexpr):
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    # Rows past N read row N-1 (in bounds, discarded at the store): no mask on the hot loads.
-    rows = tl.minimum(offs_n, N - 1).to(tl.int64) * stride_wn
+                 EVEN_K: tl.constexpr, GATED: tl.constexpr, USE_PDL: tl.constexpr):
+    # GATED: W stacks gate rows [0, N/2) over up rows [N/2, N) and Y gets silu(gate) * up
+    # [N/2]. Each program then takes BLOCK_N/2 outputs, interleaving their gate and up rows.
+    if GATED:
+        n_out = N // 2
+        j = tl.arange(0, BLOCK_N)
+        offs_o = tl.program_id(0) * (BLOCK_N // 2) + j // 2
+        rows = tl.minimum(offs_o, n_out - 1) + (j % 2) * n_out
+    else:
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        # Rows past N read row N-1 (in bounds, discarded at the store): no mask on hot loads.
+        rows = tl.minimum(offs_n, N - 1)
+    rows = rows.to(tl.int64) * stride_wn
     offs_k = tl.arange(0, BLOCK_K)
     # No kernel writes the weights: the first tile's load is issued before the PDL wait, so it
     # overlaps the previous kernel's tail; x comes from that kernel and is read after.
@@ -46,7 +54,16 @@ def _gemv_kernel(X, W, Y, N, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.co
     for k0 in range(BLOCK_K, K, BLOCK_K):
         ks = k0 + offs_k
         acc += _load_w(W, rows, ks, K, EVEN_K).to(tl.float32) * _load_x(X, ks, K, EVEN_K)[None, :]
-    tl.store(Y + offs_n, tl.sum(acc, axis=1).to(Y.dtype.element_ty), mask=mask_n)
+    y = tl.sum(acc, axis=1).to(Y.dtype.element_ty)
+    if GATED:
+        # Rounded as the unfused ops round: projection output, silu(gate), then the product.
+        g, u = tl.split(tl.reshape(y, [BLOCK_N // 2, 2]))
+        g = g.to(tl.float32)
+        a = (g / (1.0 + tl.exp(-g))).to(Y.dtype.element_ty).to(tl.float32)
+        offs_o = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        tl.store(Y + offs_o, (a * u.to(tl.float32)).to(Y.dtype.element_ty), mask=offs_o < n_out)
+    else:
+        tl.store(Y + offs_n, y, mask=offs_n < N)
 
 
 def gemv_config(N: int, K: int, sms: int) -> tuple[int, int, int]:
@@ -65,17 +82,21 @@ def gemv_config(N: int, K: int, sms: int) -> tuple[int, int, int]:
     return block_n, block_k, 4
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor,
-         config: tuple[int, int, int] | None = None) -> torch.Tensor:
+def gemv(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int] | None = None,
+         gated: bool = False) -> torch.Tensor:
     """x [..., K] holding one row, weight [N, K] (unit stride in K) -> [..., N] in x's dtype
-    (fp32 accumulation). `config` overrides gemv_config, for tuning sweeps."""
+    (fp32 accumulation). gated: weight stacks gate over up rows (N even) and the result is
+    silu(gate) * up [..., N/2], rounded as longctx.ops.silu_mul after the projection would.
+    `config` overrides gemv_config, for tuning sweeps."""
     N, K = weight.shape
     x1 = x.reshape(-1)
     if x1.numel() != K:
         raise ValueError(f"gemv takes one row: x has {x1.numel()} elements, weight is {N}x{K}")
-    out = torch.empty(*x.shape[:-1], N, dtype=x.dtype, device=x.device)
+    if gated and N % 2:
+        raise ValueError(f"gated gemv needs an even number of weight rows (gate, up), got {N}")
+    out = torch.empty(*x.shape[:-1], N // 2 if gated else N, dtype=x.dtype, device=x.device)
     block_n, block_k, warps = config or gemv_config(N, K, device_sms(x.device))
     _gemv_kernel[(triton.cdiv(N, block_n),)](
         x1, weight, out, N, K, weight.stride(0), BLOCK_N=block_n, BLOCK_K=block_k,
-        EVEN_K=K % block_k == 0, num_warps=warps, **pdl_launch(x.device))
+        EVEN_K=K % block_k == 0, GATED=gated, num_warps=warps, **pdl_launch(x.device))
     return out

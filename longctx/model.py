@@ -21,7 +21,7 @@ from torch import nn
 from longctx.attention import attention
 from longctx.config import ModelArgs
 from longctx.decode import decode
-from longctx.ops import linear, rms_norm, rope_, rope_tables, silu_mul, store_kv
+from longctx.ops import linear, linear_silu_mul, rms_norm, rope_, rope_tables, store_kv
 
 
 class RMSNorm(nn.Module):
@@ -106,6 +106,17 @@ class FusedLinear(Linear):
         self.parts = dict(parts)
 
 
+class GateUpLinear(FusedLinear):
+    """The MLP's gate and up projections stacked (parts gate_proj, then up_proj, equal sizes);
+    forward returns silu(gate) * up: at batch 1 one GEMV with the activation in its epilogue."""
+
+    def __init__(self, in_features: int, intermediate: int) -> None:
+        super().__init__(in_features, {"gate_proj": intermediate, "up_proj": intermediate})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear_silu_mul(x, self.weight)
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
@@ -138,12 +149,11 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
-        self.gate_up_proj = FusedLinear(args.dim, {"gate_proj": args.intermediate_size,
-                                                   "up_proj": args.intermediate_size})
+        self.gate_up_proj = GateUpLinear(args.dim, args.intermediate_size)
         self.down_proj = Linear(args.intermediate_size, args.dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj(x))
 
 
 class Block(nn.Module):
@@ -157,7 +167,8 @@ class Block(nn.Module):
     def forward(self, x, delta, rope, input_pos, step) -> tuple[torch.Tensor, torch.Tensor]:
         """Residual stream x and the previous block's output delta (None before the first block)
         -> (x + delta + attention, this block's MLP output): each residual add is fused into the
-        norm that follows it."""
+        norm that follows it. Every output added to the residual stream reaches it as a norm's
+        `add` (tensor parallelism all-reduces the row-parallel outputs there)."""
         x, h = self.input_layernorm(x, delta) if delta is not None else (x, self.input_layernorm(x))
         x, h = self.post_attention_layernorm(x, self.self_attn(h, rope, input_pos, step))
         return x, self.mlp(h)

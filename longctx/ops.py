@@ -1,4 +1,4 @@
-"""The model's small ops: batch-1 linear, RMSNorm, rotary embedding, SiLU-and-multiply, KV store.
+"""The model's small ops: batch-1 linear (plain, or with SiLU-and-multiply), RMSNorm, rotary embedding, SiLU-and-multiply, KV store.
 
 On CUDA each is one fused Triton kernel (longctx.kernels.fused); on the CPU the torch code
 below runs, and it is the reference the kernels are tested against.
@@ -12,18 +12,34 @@ import torch.nn.functional as F
 from longctx.backend import use_triton_for
 
 
+def _gemv_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (use_triton_for(x) and x.numel() == x.shape[-1]
+            and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype
+            and weight.stride(-1) == 1)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [..., K] @ weight [N, K]^T (no bias), in x's dtype.
 
     A single half-precision row on CUDA (a batch-1 decode step) runs longctx's Triton GEMV
     (kernels/gemv.py), a plain stream of the weights; anything else runs torch's linear.
     """
-    if (use_triton_for(x) and x.numel() == x.shape[-1] and x.dtype in (torch.float16, torch.bfloat16)
-            and weight.dtype == x.dtype and weight.stride(-1) == 1):
+    if _gemv_ok(x, weight):
         from longctx.kernels.gemv import gemv
 
         return gemv(x, weight)
     return F.linear(x, weight)
+
+
+def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """silu_mul(linear(x, weight)): weight [2I, K] stacks the gate rows over the up rows;
+    returns silu(x @ gate^T) * (x @ up^T) [..., I] in x's dtype. For a single half-precision
+    row on CUDA one GEMV computes it, the activation in its epilogue (same rounding)."""
+    if _gemv_ok(x, weight):
+        from longctx.kernels.gemv import gemv
+
+        return gemv(x, weight, gated=True)
+    return silu_mul(F.linear(x, weight))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
