@@ -31,8 +31,9 @@ class SymmetricAllReduceNorm:
     all-reduce is all latency: NCCL takes 13.4 µs in a CUDA graph on 2x H200, torch's one-shot
     symmetric-memory kernel 6.5 µs, and either is followed by a separate norm kernel.
 
-    Holds one symmetric buffer per rank (two halves of MAX_BYTES, alternating by call) with its
-    signal pad. Partial sums larger than a half (prefill) go through NCCL instead.
+    Holds one symmetric buffer per rank (two halves of MAX_BYTES, alternating by call, each a
+    slot per rank) with its signal pad. Partial sums larger than a slot (prefill) go through
+    NCCL instead.
     """
 
     MAX_BYTES = 1 << 20
@@ -48,11 +49,12 @@ class SymmetricAllReduceNorm:
         world = dist.get_world_size(group)
         self.group, self.dtype = group, dtype
         self.half = self.MAX_BYTES // dtype.itemsize
+        self.slot = self.half // world
         self.buf = symm_mem.empty(2 * self.half, dtype=dtype, device=device)
         handle = symm_mem.rendezvous(self.buf, name)
         self.rank = handle.rank
-        # 2 x world int32 flags in each pad: slot parity * world + sender.
-        handle.get_signal_pad(self.rank, (2 * world,), dtype=torch.int32).zero_()
+        # One int32 flag per sender in each pad: the epoch of its latest call.
+        handle.get_signal_pad(self.rank, (world,), dtype=torch.int32).zero_()
         self.buf_ptrs = torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=device)
         self.pad_ptrs = torch.tensor(handle.signal_pad_ptrs, dtype=torch.int64, device=device)
         self.counter = torch.zeros(1, dtype=torch.int32, device=device)
@@ -70,7 +72,7 @@ class SymmetricAllReduceNorm:
         return hasattr(symm_mem, "rendezvous") and hasattr(symm_mem, "empty")
 
     def fits(self, add: torch.Tensor) -> bool:
-        return (add.dtype == self.dtype and add.numel() <= self.half and add.stride(-1) == 1
+        return (add.dtype == self.dtype and add.numel() <= self.slot and add.stride(-1) == 1
                 and add.is_cuda)
 
     def __call__(self, x: torch.Tensor, add: torch.Tensor, weight: torch.Tensor,
