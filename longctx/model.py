@@ -167,8 +167,7 @@ class Block(nn.Module):
     def forward(self, x, delta, rope, input_pos, step) -> tuple[torch.Tensor, torch.Tensor]:
         """Residual stream x and the previous block's output delta (None before the first block)
         -> (x + delta + attention, this block's MLP output): each residual add is fused into the
-        norm that follows it. Every output added to the residual stream reaches it as a norm's
-        `add` (tensor parallelism all-reduces the row-parallel outputs there)."""
+        norm that follows it."""
         x, h = self.input_layernorm(x, delta) if delta is not None else (x, self.input_layernorm(x))
         x, h = self.post_attention_layernorm(x, self.self_attn(h, rope, input_pos, step))
         return x, self.mlp(h)

@@ -1,8 +1,6 @@
 """Tensor parallelism applied to a built Transformer (gpt-fast style): slice weights, add
-collectives. Attention heads and the MLP are column-parallel in, row-parallel out; each
-row-parallel output is all-reduced by the RMSNorm that takes it as its residual input (fused
-into one kernel on GPUs with symmetric memory); the embedding and LM head are split by
-vocabulary.
+collectives. Attention heads and the MLP are column-parallel in, row-parallel out with one
+all-reduce each; the embedding and LM head are split by vocabulary.
 
 Works on a model on the meta device (the returned ShardPlan tells load_weights which slice each
 rank reads) as well as on a model with real weights (slicing them).
@@ -18,22 +16,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from longctx.model import FusedLinear, Transformer
-from longctx.ops import rms_norm
 from longctx.weights import Shard, ShardPlan
 
 log = logging.getLogger("longctx")
 
 
-class SymmetricAllReduceNorm:
-    """The row-parallel all-reduce of a decode step fused with the residual add and RMSNorm that
-    follow it (longctx.kernels.allreduce): one kernel that sums the ranks' partial outputs with
-    peer-to-peer loads from torch symmetric memory. At batch 1 a partial sum is 16 KB and an
-    all-reduce is all latency: NCCL takes 13.4 µs in a CUDA graph on 2x H200, torch's one-shot
-    symmetric-memory kernel 6.5 µs, and either is followed by a separate norm kernel.
+class SymmetricMemoryAllReduce:
+    """Sum all-reduce for the small row-parallel outputs of a decode step ([B, 1, dim]: 16 KB
+    at batch 1, two per layer), through torch symmetric memory: one kernel copies the input into
+    this rank's registered buffer, meets the peers at a barrier and sums every rank's buffer with
+    peer-to-peer loads over NVLink (no NVLink multicast). About half NCCL's latency for such
+    sizes (bench/allreduce.py: 6.7 vs 13.4 µs on 2x H200, in a CUDA graph).
 
-    Holds one symmetric buffer per rank (two halves of MAX_BYTES, alternating by call, each a
-    slot per rank) with its signal pad. Partial sums larger than a slot (prefill) go through
-    NCCL instead.
+    Two buffers are used alternately: a rank may start the next all-reduce (writing its buffer)
+    as soon as it has passed this one's barrier, while a peer may still be reading the buffer of
+    this one. Larger tensors (prefill) go to NCCL.
     """
 
     MAX_BYTES = 1 << 20
@@ -41,68 +38,42 @@ class SymmetricAllReduceNorm:
     def __init__(self, group, device: torch.device, dtype: torch.dtype) -> None:
         import torch.distributed._symmetric_memory as symm_mem
 
-        name = group.group_name
+        self.group, self.name = group, group.group_name
         if hasattr(symm_mem, "enable_symm_mem_for_group") and not (
                 hasattr(symm_mem, "is_symm_mem_enabled_for_group")
-                and symm_mem.is_symm_mem_enabled_for_group(name)):
-            symm_mem.enable_symm_mem_for_group(name)  # needed by older torch releases
-        world = dist.get_world_size(group)
-        self.group, self.dtype = group, dtype
-        self.half = self.MAX_BYTES // dtype.itemsize
-        self.slot = self.half // world
-        self.buf = symm_mem.empty(2 * self.half, dtype=dtype, device=device)
-        handle = symm_mem.rendezvous(self.buf, name)
-        self.rank = handle.rank
-        # One int32 flag per sender in each pad: the epoch of its latest call.
-        handle.get_signal_pad(self.rank, (world,), dtype=torch.int32).zero_()
-        self.buf_ptrs = torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=device)
-        self.pad_ptrs = torch.tensor(handle.signal_pad_ptrs, dtype=torch.int64, device=device)
-        self.counter = torch.zeros(1, dtype=torch.int32, device=device)
-        torch.cuda.synchronize(device)
-        dist.barrier(group=group)  # every pad zeroed before any rank signals
+                and symm_mem.is_symm_mem_enabled_for_group(self.name)):
+            symm_mem.enable_symm_mem_for_group(self.name)  # needed by older torch releases
+        self.numel = self.MAX_BYTES // dtype.itemsize
+        self.bufs = [symm_mem.empty(self.numel, dtype=dtype, device=device) for _ in range(2)]
+        for b in self.bufs:
+            symm_mem.rendezvous(b, self.name)
+        self.dtype, self.calls = dtype, 0
 
     @staticmethod
     def available(device: torch.device) -> bool:
-        if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
-            return False
-        try:
-            import torch.distributed._symmetric_memory as symm_mem
-        except ImportError:
-            return False
-        return hasattr(symm_mem, "rendezvous") and hasattr(symm_mem, "empty")
+        return device.type == "cuda" and hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out")
 
-    def fits(self, add: torch.Tensor) -> bool:
-        return (add.dtype == self.dtype and add.numel() <= self.slot and add.stride(-1) == 1
-                and add.is_cuda)
-
-    def __call__(self, x: torch.Tensor, add: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x + sum over the group of add, its RMSNorm), as longctx.ops.rms_norm with `add`."""
-        from longctx.kernels.allreduce import allreduce_add_rms_norm
-
-        return allreduce_add_rms_norm(self.buf_ptrs, self.pad_ptrs, self.counter, self.rank,
-                                      self.half, x, add, weight, eps)
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum over the group of x (a new tensor, or x reduced in place by NCCL)."""
+        if x.numel() > self.numel or x.dtype != self.dtype or not x.is_contiguous():
+            dist.all_reduce(x, group=self.group)
+            return x
+        buf = self.bufs[self.calls % 2]
+        self.calls += 1
+        out = torch.empty_like(x)
+        torch.ops.symm_mem.one_shot_all_reduce_copy_out(buf[:x.numel()], x.view(-1), "sum",
+                                                       self.name, out.view(-1))
+        return out
 
 
-class AllReduceRMSNorm(nn.Module):
-    """A tensor-parallel model's RMSNorm: its residual input `add` (when given) is a row-parallel
-    partial sum (o_proj's or down_proj's output: see Block.forward), so it is all-reduced over
-    the group first -- fused into one kernel with symmetric memory when `fused` is given and the
-    tensor fits, else NCCL (or gloo) then longctx.ops.rms_norm. Keeps the norm's `weight`, so
-    checkpoint names are unchanged."""
-
-    def __init__(self, norm: nn.Module, group, fused: SymmetricAllReduceNorm | None) -> None:
-        super().__init__()
-        self.weight, self.eps = norm.weight, norm.eps
-        self.group, self.fused = group, fused
-
-    def forward(self, x: torch.Tensor, add: torch.Tensor | None = None):
-        if add is None:
-            return rms_norm(x, self.weight, self.eps)
-        if self.fused is not None and self.fused.fits(add) and x.stride(-1) == 1:
-            return self.fused(x, add, self.weight, self.eps)
-        dist.all_reduce(add, group=self.group)
-        return rms_norm(x, self.weight, self.eps, add)
+def _all_reduce_hook(group, symmetric: SymmetricMemoryAllReduce | None):
+    def hook(_module, _inputs, out):
+        # row-parallel partial sums -> the full output
+        if symmetric is not None:
+            return symmetric(out)
+        dist.all_reduce(out, group=group)
+        return out
+    return hook
 
 
 def _all_gather_last_dim_hook(group):
@@ -147,9 +118,8 @@ def apply_tensor_parallel(model: Transformer, group, device: torch.device | None
     Rank r keeps query heads [r*Hq/tp, (r+1)*Hq/tp) and the KV heads they read: a tp-th of the KV
     heads, or, when tp > Hkv, the one KV head of its query heads (replicated on tp/Hkv ranks).
     Call before setup_caches (the caches are sized from the attention's sliced head counts).
-    On CUDA (`device`, with the weights' `dtype`) the row-parallel all-reduces of decode steps are
-    fused with the residual add and RMSNorm through symmetric memory where torch provides it
-    (SymmetricAllReduceNorm, sm_90+), else they go through NCCL.
+    On CUDA (`device`, with the weights' `dtype`) the row-parallel all-reduces of decode steps go
+    through symmetric memory where torch provides it (SymmetricMemoryAllReduce), else NCCL.
     """
     tp, r = dist.get_world_size(group), dist.get_rank(group)
     args = model.args
@@ -180,18 +150,15 @@ def apply_tensor_parallel(model: Transformer, group, device: torch.device | None
             linear.parts[n] = shards[n].length
             plan[f"{prefix}.{n}.weight"] = shards[n]
 
-    fused = None
-    if device is not None and dtype is not None and SymmetricAllReduceNorm.available(torch.device(device)):
+    symmetric = None
+    if device is not None and SymmetricMemoryAllReduce.available(torch.device(device)):
         try:
-            fused = SymmetricAllReduceNorm(group, torch.device(device), dtype)
+            symmetric = SymmetricMemoryAllReduce(group, torch.device(device), dtype)
         except Exception as e:  # e.g. no peer access between the GPUs: NCCL does it all
             log.warning(f"symmetric-memory all-reduce unavailable ({type(e).__name__}: {e}); "
                         "using NCCL")
         else:
-            log.info("tensor parallel: decode all-reduces fused with the residual add and "
-                     "RMSNorm (symmetric memory)")
-    # Every norm's residual input is a row-parallel partial sum: the norms all-reduce it.
-    model.norm = AllReduceRMSNorm(model.norm, group, fused)
+            log.info("tensor parallel: decode all-reduces through symmetric memory (one-shot)")
     for i, layer in enumerate(model.layers):
         a, m = layer.self_attn, layer.mlp
         p = f"layers.{i}"
@@ -202,9 +169,8 @@ def apply_tensor_parallel(model: Transformer, group, device: torch.device | None
         inter = chunk(args.intermediate_size, 0)
         shard_fused(f"{p}.mlp", m.gate_up_proj, {"gate_proj": inter, "up_proj": inter})
         shard_linear(f"{p}.mlp.down_proj", m.down_proj, chunk(args.intermediate_size, 1))
-        layer.input_layernorm = AllReduceRMSNorm(layer.input_layernorm, group, fused)
-        layer.post_attention_layernorm = AllReduceRMSNorm(layer.post_attention_layernorm, group,
-                                                          fused)
+        a.o_proj.register_forward_hook(_all_reduce_hook(group, symmetric))
+        m.down_proj.register_forward_hook(_all_reduce_hook(group, symmetric))
 
     vocab = chunk(args.vocab_size, 0)
     model.embed_tokens = VocabParallelEmbedding(
