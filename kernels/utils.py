@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+from collections.abc import Iterator
 
 import torch
 import triton
@@ -30,6 +32,21 @@ def device_sms(device: torch.device) -> int:
     return num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
+_pdl_off = False
+
+
+@contextlib.contextmanager
+def pdl_off() -> Iterator[None]:
+    """Launch without PDL inside the block: for per-kernel profiles (with PDL a kernel starts
+    early, and its device time includes waiting for its predecessor)."""
+    global _pdl_off
+    prev, _pdl_off = _pdl_off, True
+    try:
+        yield
+    finally:
+        _pdl_off = prev
+
+
 @functools.lru_cache(maxsize=None)
 def _has_pdl(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
@@ -47,9 +64,10 @@ def pdl_launch(device: torch.device) -> dict:
     data no kernel writes (weights) may come before it.
 
     Returns {"USE_PDL": True, "launch_pdl": True} on sm_90+ GPUs, else {"USE_PDL": False}
-    (CPU and the interpreter, older GPUs, or LONGCTX_PDL=0 in the environment).
+    (CPU and the interpreter, older GPUs, LONGCTX_PDL=0 in the environment, or inside
+    `pdl_off()`).
     """
-    if device.type != "cuda" or os.environ.get("LONGCTX_PDL", "1") == "0":
+    if device.type != "cuda" or _pdl_off or os.environ.get("LONGCTX_PDL", "1") == "0":
         return {"USE_PDL": False}
     index = device.index if device.index is not None else torch.cuda.current_device()
     return {"USE_PDL": True, "launch_pdl": True} if _has_pdl(index) else {"USE_PDL": False}

@@ -218,13 +218,16 @@ def profile_decode(model, tokens: torch.Tensor, pos: int, device: torch.device, 
                    rank: int, steps: int = 3) -> None:
     """Where a decode step's time goes: torch.profiler over `steps` eager decode steps (no CUDA
     graph, so launch gaps show too) at position `pos`; the kernel table by self device time goes
-    to <run_dir>/profile_rank<r>.txt, and its top rows to the console."""
+    to <run_dir>/profile_rank<r>.txt, and its top rows to the console. Without programmatic
+    dependent launch: with it a kernel's device time would include waiting for its predecessor."""
     from torch.profiler import ProfilerActivity, profile
+
+    from longctx.kernels.utils import pdl_off
 
     cuda = device.type == "cuda"
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     input_pos = torch.full((tokens.shape[0],), pos, dtype=torch.int64, device=device)
-    with torch.no_grad():
+    with torch.no_grad(), pdl_off():
         model.decode_step(tokens, input_pos)  # warm-up outside the profile
         if cuda:
             torch.cuda.synchronize(device)
