@@ -2,7 +2,7 @@
 against longctx's Triton GEMV (kernels/gemv.py; its heuristic config and a few others). The
 weights are most of a decode step's bytes, so this is the ceiling a model step can reach.
 
-    python bench/gemv.py [--tp 1] [--dtype bfloat16]
+    python bench/gemv.py [--tp 1] [--dtype bfloat16] [--shapes o down] [--configs 4,1024,4]
 
 Each shape is timed as a chain of linears over distinct weight copies (> 4x the L2, so every
 weight comes from HBM, as in a model step), captured in one CUDA graph and timed with
@@ -59,6 +59,8 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--configs", nargs="*", default=[],
                    help="extra Triton GEMV configs BLOCK_N,BLOCK_K,warps, e.g. 8,512,4")
+    p.add_argument("--shapes", nargs="*", default=[],
+                   help="only these linears (names as printed, e.g. o down 'qkv fused')")
     a = p.parse_args()
     dtype = getattr(torch, a.dtype)
     bw = read_bandwidth()
@@ -70,6 +72,10 @@ def main() -> None:
         "gate or up": (inter // t, dim), "gate_up fused": (2 * inter // t, dim),
         "down": (dim, inter // t), "lm_head": (vocab // t, dim),
     }
+    unknown = set(a.shapes) - set(shapes)
+    if unknown:
+        raise SystemExit(f"unknown --shapes {sorted(unknown)}; choose from {list(shapes)}")
+    shapes = {k: v for k, v in shapes.items() if not a.shapes or k in a.shapes}
     print(f"{torch.cuda.get_device_name()}  read bandwidth {bw / 1e12:.2f} TB/s  tp={t} {a.dtype}")
     variants = {"cuBLAS": F.linear, "triton": gemv}
     for cfg in a.configs:
