@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from longctx.kernels.utils import device_sms, pdl_launch, pdl_wait
+from longctx.kernels.utils import pdl_launch, pdl_wait
 
 
 @triton.jit
@@ -66,20 +66,22 @@ def _gemv_kernel(X, W, Y, N, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.co
         tl.store(Y + offs_n, y, mask=offs_n < N)
 
 
-def gemv_config(N: int, K: int, sms: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps): 512-wide K steps (1 KB of each bf16 row per load) and the
-    most rows per program (16, 8 or 4) that still give >= 12 programs per SM.
+def gemv_config(K: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps): 4 rows per program, and 2048-wide K steps with 8 warps
+    when K is a multiple of 2048 with at least 4 steps, else 1024-wide steps with 4 warps.
 
-    From `bench/gemv.py` on an H200 (CodeLlama-34B shapes, tp=1 and 2): 8192-row weights (q, o,
-    down) reach 86-91% of the read bandwidth with 4 rows per program (2048 programs) against
-    76-78% with 8; the 22k-44k-row gate/up and 32k-row lm_head weights 94-97% with 16; the
-    5120-row qkv of tp=2 85% with 4 rows against 71% with 2.
+    From `bench/gemv.py --tp 1|2 --configs ...` on an H200 (CodeLlama-34B shapes, GEMVs chained
+    in a CUDA graph with PDL, session 3): 4 x 2048 x 8 reaches 96-101% of the streaming-read
+    bandwidth on every 8192-wide weight (q, qkv, o, gate/up, lm_head at tp=1; 90-99% at tp=2)
+    and 4 x 1024 x 4 93-97% on the 4096-, 11008- and 22016-wide ones (o and down at tp=2, down
+    at tp=1), where 2048-wide steps leave too few steps or a masked tail (91-92%). The previous
+    rule (512-wide steps, 4-16 rows for >= 12 programs per SM) reached 82-98%.
     """
-    block_k = 512 if K >= 512 else triton.next_power_of_2(K)
-    block_n = 16
-    while block_n > 4 and triton.cdiv(N, block_n) < 12 * sms:
-        block_n //= 2
-    return block_n, block_k, 4
+    if K < 1024:
+        return 4, triton.next_power_of_2(K), 4
+    if K % 2048 == 0 and K >= 4 * 2048:
+        return 4, 2048, 8
+    return 4, 1024, 4
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int] | None = None,
@@ -95,7 +97,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int] | N
     if gated and N % 2:
         raise ValueError(f"gated gemv needs an even number of weight rows (gate, up), got {N}")
     out = torch.empty(*x.shape[:-1], N // 2 if gated else N, dtype=x.dtype, device=x.device)
-    block_n, block_k, warps = config or gemv_config(N, K, device_sms(x.device))
+    block_n, block_k, warps = config or gemv_config(K)
     _gemv_kernel[(triton.cdiv(N, block_n),)](
         x1, weight, out, N, K, weight.stride(0), BLOCK_N=block_n, BLOCK_K=block_k,
         EVEN_K=K % block_k == 0, GATED=gated, num_warps=warps, **pdl_launch(x.device))
