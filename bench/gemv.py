@@ -27,11 +27,6 @@ from longctx.kernels.bandwidth import read_bandwidth  # noqa: E402
 from longctx.kernels.gemv import gemv  # noqa: E402
 
 
-class _Timing:  # what launch/bench.py's graph_ms reads from its config
-    warmup_ms, rep_ms = 5, 20
-
-
-TIMING = _Timing()
 
 
 def chain_us(out_f: int, in_f: int, dtype: torch.dtype, fn=F.linear,
@@ -47,7 +42,7 @@ def chain_us(out_f: int, in_f: int, dtype: torch.dtype, fn=F.linear,
         for w in ws:
             fn(x, w)
 
-    us = graph_ms(step, TIMING) * 1e3 / copies
+    us = graph_ms(step, warmup_ms=5, rep_ms=20) * 1e3 / copies
     del ws
     torch.cuda.empty_cache()
     return us

@@ -29,7 +29,6 @@ def main() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     m = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs/model" / f"{a.model}.yaml").read_text())
-    m = m.get("model", m)
     cfg = LlamaConfig(hidden_size=m["dim"], intermediate_size=m["intermediate_size"],
                       num_hidden_layers=m["n_layers"], num_attention_heads=m["n_heads"],
                       num_key_value_heads=m["n_kv_heads"], head_dim=m["head_dim"],

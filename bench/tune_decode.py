@@ -16,20 +16,16 @@ import torch
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch"))
-from bench import graph_ms, read_bandwidth  # noqa: E402
+from bench import graph_ms  # noqa: E402
 
-from longctx.kernels.bandwidth import _read_kernel  # noqa: E402
+from longctx.kernels.bandwidth import _read_kernel, read_bandwidth  # noqa: E402
 from longctx.kernels.decode import (  # noqa: E402
     _launch_config, choose_num_splits, flash_decode_partials,
 )
 from longctx.kernels.merge import merge_states_triton  # noqa: E402
 from longctx.kernels.utils import device_sms  # noqa: E402
 
-class _Timing:  # what launch/bench.py's graph_ms reads from its config
-    warmup_ms, rep_ms = 2, 5
-
-
-TIMING = _Timing()
+TIMING = dict(warmup_ms=2, rep_ms=5)  # short: the sweep times hundreds of variants
 SHAPES = ["256x256", "128x512", "64x1024", "32x2048", "16x4096", "8x8192", "4x16384",
           "2x32768", "1x65536", "1x131072", "1x262144"]
 
@@ -60,9 +56,9 @@ def main() -> None:
         grid = triton.cdiv(kv.numel(), 4096 * 4)
         part = torch.empty(grid, device="cuda", dtype=torch.float32)
         t_read = graph_ms(lambda: _read_kernel[(grid,)](kv, part, kv.numel(), BLOCK=4096, ITERS=4,
-                                                        num_warps=8), TIMING) * 1e3
+                                                        num_warps=8), **TIMING) * 1e3
         t_empty = graph_ms(lambda: _read_kernel[(1,)](kv, part, 0, BLOCK=4096, ITERS=1,
-                                                      num_warps=8), TIMING) * 1e3
+                                                      num_warps=8), **TIMING) * 1e3
         del kv
         results = {}
         for sp, cfg in itertools.product(args.splits, configs):
@@ -73,7 +69,7 @@ def main() -> None:
                 o, lse = flash_decode_partials(q, k, v, lens, None, args.d**-0.5, sp, config=cfg)
                 return merge_states_triton(o, lse, out_dtype=q.dtype)
             try:
-                results[(sp, cfg)] = graph_ms(fn, TIMING) * 1e3
+                results[(sp, cfg)] = graph_ms(fn, **TIMING) * 1e3
             except Exception as e:  # a config that does not fit is skipped
                 print(f"  skip {sp} {cfg}: {type(e).__name__}")
         best = min(results, key=results.get)
@@ -82,18 +78,17 @@ def main() -> None:
         h = results.get((h_sp, h_cfg))
         by_split = {sp: min(t for (s, _), t in results.items() if s == sp) for sp in args.splits
                     if any(s == sp for s, _ in results)}
-        print(f"B={B:<4} N={N:<7} floor {floor:6.1f} us, streaming read of the same bytes "
-              f"{t_read:.1f} us, empty kernel {t_empty:.1f} us")
         print(f"B={B:<4} N={N:<7} floor {floor:6.1f} us | best {results[best]:6.1f} us "
               f"(splits {best[0]}, cfg {best[1]}) {100 * floor / results[best]:4.0f}% | heuristic "
               f"{h_sp} {h_cfg}: {h if h is None else round(h, 1)} us")
+        print(f"    streaming read of the same bytes {t_read:.1f} us, empty kernel {t_empty:.1f} us")
         print("    best per split: " + " ".join(f"{sp}:{t:.1f}" for sp, t in by_split.items()))
         sp, cfg = best
         if sp > 1:  # where the time goes: the split kernel alone, and the merge alone
             o, lse = flash_decode_partials(q, k, v, lens, None, args.d**-0.5, sp, config=cfg)
             t_split = graph_ms(lambda: flash_decode_partials(q, k, v, lens, None, args.d**-0.5, sp,
-                                                             config=cfg), TIMING) * 1e3
-            t_merge = graph_ms(lambda: merge_states_triton(o, lse, out_dtype=q.dtype), TIMING) * 1e3
+                                                             config=cfg), **TIMING) * 1e3
+            t_merge = graph_ms(lambda: merge_states_triton(o, lse, out_dtype=q.dtype), **TIMING) * 1e3
             print(f"    at the best: split kernel {t_split:.1f} us, merge kernel {t_merge:.1f} us")
         del q, k, v
 

@@ -20,10 +20,6 @@ from bench import bench_ms  # noqa: E402
 from longctx.kernels.prefill import flash_attention_fwd  # noqa: E402
 
 
-class _Timing:
-    warmup_ms, rep_ms = 20, 60
-
-
 SHAPES = [(16, 2, 16384, True), (16, 2, 16384, False), (32, 32, 16384, True), (32, 32, 65536, False)]
 CONFIGS = [(128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3),
            (128, 64, 8, 2), (128, 128, 4, 2)]
@@ -38,14 +34,14 @@ def main() -> None:
         qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             ms = bench_ms(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal,
-                                                                 enable_gqa=True), _Timing)
+                                                                 enable_gqa=True), 20, 60)
         res = [f"cudnn {flops / ms / 1e9:.0f}"]
         for (bm, bn, w, st), ws in [(c, ws) for c in CONFIGS for ws in (False, True)]:
             cfg = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st, WARP_SPECIALIZE=ws)
             try:
                 ms = bench_ms(lambda: flash_attention_fwd(q, k, v, softmax_scale=128**-0.5,
                                                           causal=causal, q_start=0, k_start=0,
-                                                          _config=cfg), _Timing)
+                                                          _config=cfg), 20, 60)
                 res.append(f"{bm}/{bn}/{w}/{st}{'/ws' if ws else ''} {flops / ms / 1e9:.0f}")
             except Exception as e:  # a variant that does not compile or fit is listed as such
                 res.append(f"{bm}/{bn}/{w}/{st}{'/ws' if ws else ''} {type(e).__name__}")

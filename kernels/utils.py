@@ -11,14 +11,6 @@ import torch
 import triton
 import triton.language as tl
 
-from longctx.backend import interpreter_active
-
-
-def autotune_configs(configs: list[triton.Config]) -> list[triton.Config]:
-    """The autotune search space; one config under the interpreter (several crash it)."""
-    return configs[:1] if interpreter_active() else configs
-
-
 @functools.lru_cache(maxsize=None)
 def num_sms(device_index: int) -> int:
     """Streaming multiprocessors of a CUDA device (cached; no sync)."""

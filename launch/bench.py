@@ -4,8 +4,8 @@
     python launch/bench.py case=prefill           # prefill TFLOPS (bf16, D=128)
     python launch/bench.py case=decode decode.shapes='[[1,65536]]' tag=h100
 
-Needs a CUDA GPU. Every number is a median of triton.testing.do_bench, which flushes the L2
-cache before each repetition. Writes <output_dir>/<case>[-tag].json and .png; prints a table.
+Needs a CUDA GPU. Every number is a median of `bench_ms` (each repetition starts with a cold,
+clean L2). Writes <output_dir>/<case>[-tag].json and .png; prints a table.
 """
 
 from __future__ import annotations
@@ -23,18 +23,19 @@ import triton
 from omegaconf import DictConfig, OmegaConf
 
 import longctx
+from longctx.config import DTYPES
 from longctx.hardware import code_commit
 from longctx.kernels.bandwidth import read_bandwidth
 
 ROOT = Path(__file__).resolve().parents[1]
-DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 _FLUSH: list[torch.Tensor] = []
 
 
-def bench_ms(fn: Callable[[], object], cfg: DictConfig) -> float:
-    """Median ms of fn over repetitions, each starting with a cold L2.
+def bench_ms(fn: Callable[[], object], warmup_ms: float = 25, rep_ms: float = 100) -> float:
+    """Median ms of fn over repetitions (about rep_ms of them after warmup_ms of warm-up), each
+    starting with a cold L2.
 
     Like triton.testing.do_bench, but the L2 is flushed by *reading* a buffer larger than it,
     not by a memset: a memset leaves the L2 full of dirty lines, and writing them back to HBM
@@ -57,16 +58,16 @@ def bench_ms(fn: Callable[[], object], cfg: DictConfig) -> float:
     s, e = one()
     torch.cuda.synchronize()
     est = max(s.elapsed_time(e), 1e-3)
-    for _ in range(max(1, int(cfg.warmup_ms / est))):
+    for _ in range(max(1, int(warmup_ms / est))):
         one()
-    events = [one() for _ in range(max(5, min(2000, int(cfg.rep_ms / est))))]
+    events = [one() for _ in range(max(5, min(2000, int(rep_ms / est))))]
     torch.cuda.synchronize()
     times = sorted(s.elapsed_time(e) for s, e in events)
     return times[len(times) // 2]
 
 
-def graph_ms(fn: Callable[[], object], cfg: DictConfig) -> float:
-    """Median time of `fn` replayed from a CUDA graph (launch overhead removed)."""
+def graph_ms(fn: Callable[[], object], warmup_ms: float = 25, rep_ms: float = 100) -> float:
+    """Median ms of `fn` replayed from a CUDA graph (launch overhead removed); see bench_ms."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -76,7 +77,7 @@ def graph_ms(fn: Callable[[], object], cfg: DictConfig) -> float:
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         fn()
-    return bench_ms(g.replay, cfg)
+    return bench_ms(g.replay, warmup_ms, rep_ms)
 
 
 def try_peer(name: str, make: Callable[[], Callable[[], torch.Tensor]], ref: torch.Tensor,
@@ -89,13 +90,13 @@ def try_peer(name: str, make: Callable[[], Callable[[], torch.Tensor]], ref: tor
         err = (out.float() - ref).abs().max().item()
         if not err < 5e-2:
             return None, None, f"wrong result (max err {err:.2e})"
-        eager = bench_ms(fn, cfg)
+        eager = bench_ms(fn, cfg.warmup_ms, cfg.rep_ms)
     except Exception as e:  # a peer that does not support the shape is reported, not fatal
         return None, None, f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
     if not graph:
         return eager, None, ""
     try:
-        return eager, graph_ms(fn, cfg), ""
+        return eager, graph_ms(fn, cfg.warmup_ms, cfg.rep_ms), ""
     except Exception as e:
         torch.cuda.synchronize()
         return eager, None, f"no CUDA graph: {type(e).__name__}"
@@ -162,9 +163,9 @@ def run_decode(cfg: DictConfig) -> dict:
             enable_gqa=True)[:, :, 0]
         err = (ours().float() - ref).abs().max().item()
         row = {"batch": B, "seq_len": N, "kv_bytes": kv_bytes, "floor_us": floor_us,
-               "longctx_us": bench_ms(ours, cfg) * 1e3, "longctx_max_err": err}
+               "longctx_us": bench_ms(ours, cfg.warmup_ms, cfg.rep_ms) * 1e3, "longctx_max_err": err}
         if c.cuda_graph:
-            row["longctx_graph_us"] = graph_ms(ours, cfg) * 1e3
+            row["longctx_graph_us"] = graph_ms(ours, cfg.warmup_ms, cfg.rep_ms) * 1e3
         k_t, v_t = k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
         peers = decode_peers(q[:, :, None], k_t, v_t)
         for name in c.peers:
@@ -248,7 +249,7 @@ def run_prefill(cfg: DictConfig) -> dict:
                 out = ours()
                 err = (out.float() - ref).abs().max().item()
                 row = {"q_heads": Hq, "kv_heads": Hkv, "seq_len": N, "causal": causal,
-                       "flops": flops, "longctx_ms": bench_ms(ours, cfg), "longctx_max_err": err}
+                       "flops": flops, "longctx_ms": bench_ms(ours, cfg.warmup_ms, cfg.rep_ms), "longctx_max_err": err}
                 for name in c.peers:
                     ms, _, why = try_peer(name, makers[name], ref_t, cfg)
                     row[f"{name}_ms"] = ms

@@ -120,8 +120,7 @@ def check_decode_config(cfg: Mapping[str, Any]) -> None:
     # One token comes from the prefill; at least one decode step is timed.
     positive_int("gen_len", cfg["gen_len"], least=2)
     positive_int("batch", cfg["batch"])
-    if cfg["dtype"] != "auto" and cfg["dtype"] not in DTYPES:
-        raise ValueError(f"dtype must be auto or one of {', '.join(DTYPES)}, got {cfg['dtype']!r}")
+    resolve_dtype(cfg["dtype"], torch.device("cpu"))  # raises for an unknown name
     s = cfg["sampling"]
     if not isinstance(s["temperature"], (int, float)) or s["temperature"] < 0:
         raise ValueError(f"sampling.temperature must be >= 0 (0 = greedy), got {s['temperature']!r}")

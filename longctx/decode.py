@@ -122,7 +122,7 @@ def decode(
     _check_decode_args(q, k_cache, v_cache, cache_seqlens, block_table, num_splits)
     check_softmax_scale(softmax_scale)
     q3 = q.reshape(q.shape[0], q.shape[-2], q.shape[-1]) if q.dim() == 4 else q
-    B, Hq, D = q3.shape
+    B, _, D = q3.shape
     paged = block_table is not None
     capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
     _check_decode_values(k_cache, cache_seqlens, block_table, capacity)

@@ -30,7 +30,9 @@ class SymmetricMemoryAllReduce:
 
     Two buffers are used alternately: a rank may start the next all-reduce (writing its buffer)
     as soon as it has passed this one's barrier, while a peer may still be reading the buffer of
-    this one. Larger tensors (prefill) go to NCCL.
+    this one. In a CUDA graph each call's buffer is fixed at capture, so the alternation holds
+    across replays only for an even number of calls per graph: a decode step makes two per
+    layer. Larger tensors (prefill) go to NCCL.
     """
 
     MAX_BYTES = 1 << 20
