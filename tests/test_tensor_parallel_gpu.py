@@ -1,5 +1,6 @@
-"""Tensor parallelism's symmetric-memory all-reduce on two GPUs: the same sums as NCCL, eagerly
-and replayed from a CUDA graph (chained calls, so a buffer reused too early would show)."""
+"""Tensor parallelism's symmetric-memory all-reduce on two and four GPUs: the same sums as NCCL,
+eagerly and replayed from a CUDA graph (chained calls, so a buffer reused too early would show),
+and the same bits on every rank (ranks that disagreed would drift apart layer by layer)."""
 
 import pytest
 import torch
@@ -7,10 +8,7 @@ import torch.distributed as dist
 
 from tests.dist_utils import run_distributed
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices"),
-]
+pytestmark = pytest.mark.gpu
 
 
 def _chain(reduce, xs):
@@ -22,6 +20,18 @@ def _chain(reduce, xs):
         outs.append(y)
         y = y * 0.5 + x
     return outs
+
+
+def _check(got, want, world):
+    """got (symmetric memory) against want (NCCL), and got identical on every rank."""
+    if world == 2:  # one addition each: the same bits whatever the order
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    else:  # the two may add in different orders: one rounding step apart at most
+        torch.testing.assert_close(got, want)
+    peers = [torch.empty_like(got) for _ in range(world)]
+    dist.all_gather(peers, got)
+    for p in peers:
+        assert torch.equal(p, got), "ranks disagree"
 
 
 def _worker(rank, world):
@@ -42,7 +52,7 @@ def _worker(rank, world):
         want = _chain(nccl, xs)
         got = _chain(sym, xs)
         for a, b in zip(got, want):
-            torch.testing.assert_close(a, b, rtol=0, atol=0)  # two ranks: one addition each
+            _check(a, b, world)
         # The same chain captured once and replayed, with new inputs copied in between.
         static = [x.clone() for x in xs]
         s = torch.cuda.Stream(device)
@@ -59,12 +69,15 @@ def _worker(rank, world):
                 dst.copy_(src)
             graph.replay()
             for a, b in zip(outs, _chain(nccl, fresh)):
-                torch.testing.assert_close(a, b, rtol=0, atol=0)
+                _check(a, b, world)
         # Larger than the buffer: NCCL in place.
         big = torch.ones(SymmetricMemoryAllReduce.MAX_BYTES // dtype.itemsize + 1, device=device,
                          dtype=dtype)
         assert torch.equal(sym(big), torch.full_like(big, float(world)))
 
 
-def test_symmetric_memory_all_reduce_matches_nccl():
-    run_distributed(_worker, 2, backend="nccl")
+@pytest.mark.parametrize("world", [2, 4])
+def test_symmetric_memory_all_reduce_matches_nccl(world):
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} CUDA devices")
+    run_distributed(_worker, world, backend="nccl")
