@@ -48,12 +48,12 @@ def pdl_launch(device: torch.device) -> dict:
     """Launch arguments for programmatic dependent launch (PDL, Hopper and later).
 
     A decode step at batch 1 is a chain of a dozen short kernels per layer; launched with PDL a
-    kernel's programs start while its predecessor's last programs still run, instead of after
-    the predecessor has drained and flushed (each boundary otherwise costs the GPU a few µs of
-    idle SMs). Every kernel launched so must call `pdl_wait` in every program before it touches
-    memory written by earlier work or writes anything: that wait returns once the predecessor
-    has completed, and since the predecessor itself waited, once all earlier work has. Loads of
-    data no kernel writes (weights) may come before it.
+    kernel is scheduled while its predecessor's last programs drain, instead of after the
+    predecessor has completed and flushed, so its launch latency and its prologue (the GEMV's
+    first weight tile) overlap the predecessor's tail. Every kernel launched so must call
+    `pdl_wait` in every program before it touches memory written by earlier work or writes
+    anything: that wait returns once the predecessor has completed and its writes are visible.
+    Loads of data no kernel writes (weights) may come before it.
 
     Returns {"USE_PDL": True, "launch_pdl": True} on sm_90+ GPUs, else {"USE_PDL": False}
     (CPU and the interpreter, older GPUs, LONGCTX_PDL=0 in the environment, or inside
@@ -67,8 +67,14 @@ def pdl_launch(device: torch.device) -> dict:
 
 @triton.jit
 def pdl_wait(USE_PDL: tl.constexpr):
-    """With PDL: wait until the preceding kernel has completed (its writes visible), then let
-    the next kernel start launching its programs. A no-op without."""
+    """With PDL: wait until the preceding kernel has completed and its writes are visible. A
+    no-op without.
+
+    Deliberately no early `griddepcontrol.launch_dependents` after the wait: with it, the ring's
+    attention -> merge_into sequence gave different results from run to run on an H200 (up to
+    6e-2 from a synchronised run; bit-exact with the wait alone or without PDL;
+    tests/test_pdl_gpu.py), i.e. some later kernel ran before this one had finished with its
+    memory. The next kernel is then scheduled as this one's programs exit.
+    """
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()

@@ -13,7 +13,7 @@ import torch
 
 import longctx
 from longctx.backend import force_triton
-from longctx.kernels.prefill import flash_attention_fwd
+from longctx.kernels.prefill import _HALF_CONFIGS, _SMEM_LIMIT, flash_attention_fwd
 from longctx.reference import reference_attention
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -180,6 +180,23 @@ def test_block_configs(config: dict) -> None:
     torch.manual_seed(11)
     run_dense(1, 100, 140, 2, 1, 64, torch.float32, True, 60, 13, config=config)
     run_dense(1, 45, 45, 2, 1, 64, torch.float32, False, 0, 0, config=config)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("cfg", _HALF_CONFIGS, ids=lambda c: "x".join(map(str, c)))
+def test_every_autotune_config(cfg: tuple[int, int, int, int], d: int) -> None:
+    """The autotuner may pick any of these (which one depends on timing, e.g. under NCCL
+    traffic during a ring): each must be exact, not only the one a benchmark happened to pick."""
+    bm, bn, warps, stages = cfg
+    if 2 * (bm * d + stages * 2 * bn * d) > _SMEM_LIMIT:
+        pytest.skip("does not fit in shared memory (pruned by the autotuner)")
+    config = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
+    torch.manual_seed(5)
+    # causal with a query offset and ragged tails; non-causal rectangular; square causal
+    run_dense(2, 300, 1000, 4, 2, d, torch.bfloat16, True, 700, 0, config=config)
+    run_dense(1, 257, 383, 3, 1, d, torch.bfloat16, False, 0, 0, config=config)
+    run_dense(1, 384, 384, 2, 2, d, torch.float16, True, 0, 0, config=config)
 
 
 def test_noncontiguous_inputs() -> None:

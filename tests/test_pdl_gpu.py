@@ -1,0 +1,53 @@
+"""Kernels launched with programmatic dependent launch (PDL) must not race with their neighbours.
+
+The ring's per-step sequence (prefill attention -> merge_into, many launches, partial outputs
+freed and their memory reused right away) must give the same bits as the same sequence run with
+a device synchronisation after every attention call. An early `launch_dependents` in the merge
+kernel once broke this (see longctx.kernels.utils.pdl_wait).
+"""
+
+import pytest
+import torch
+
+import longctx
+from longctx.merge import merge_into
+from longctx.parallel.ring import _step_blocks, shard_chunks
+
+pytestmark = pytest.mark.gpu
+
+
+def _ring_sequence(q, k, v, world: int, rank: int, sync: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank `rank`'s ring steps of a zigzag causal ring over `world` ranks, on one device (no
+    communication): attention per block, merged into float32 accumulators."""
+    S = q.shape[1]
+
+    def shard(x, r):
+        return torch.cat([x[:, a:a + n] for a, n in shard_chunks(S, world, r, "zigzag")], 1)
+
+    mine = shard_chunks(S, world, rank, "zigzag")
+    ql = shard(q, rank)
+    o_acc = torch.zeros(ql.shape, device=q.device)
+    lse_acc = torch.full(ql.shape[:3], float("-inf"), device=q.device)
+    for t in range(world):
+        src = (rank - t) % world
+        kl, vl = shard(k, src), shard(v, src)
+        for b in _step_blocks(mine, shard_chunks(S, world, src, "zigzag"), True):
+            o, lse = longctx.attention(ql[:, b.q0:b.q1], kl[:, b.k0:b.k1], vl[:, b.k0:b.k1],
+                                       causal=b.masked, q_start=b.q_start, k_start=b.k_start,
+                                       return_lse=True)
+            if sync:
+                torch.cuda.synchronize()
+            merge_into(o_acc[:, b.q0:b.q1], lse_acc[:, b.q0:b.q1], o, lse.transpose(1, 2),
+                       check=False)
+    torch.cuda.synchronize()
+    return o_acc, lse_acc
+
+
+def test_attention_merge_sequence_is_deterministic():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(1, 32768, 32, 128, device="cuda", generator=g).to(torch.bfloat16)
+               for _ in range(3))
+    o_ref, lse_ref = _ring_sequence(q, k, v, 4, 0, sync=True)
+    for _ in range(5):
+        o, lse = _ring_sequence(q, k, v, 4, 0, sync=False)
+        assert torch.equal(o, o_ref) and torch.equal(lse, lse_ref)
