@@ -4,6 +4,8 @@
 #   bash bench/runs.sh decode 16384 65536   # CodeLlama-34B decode: tp=G and sp=G (G=1: one run each)
 #   bash bench/runs.sh hf 16384 65536       # the transformers peer on one GPU at these contexts
 #   bash bench/runs.sh ring                 # ring prefill vs one GPU and torch context parallel
+#   bash bench/runs.sh ring4                # the same at 131072 and 524288 tokens (issue 7, 4 GPUs)
+#   LAYOUTS="parallel.tp=2,parallel.sp=2" bash bench/runs.sh decode 16384   # other tp x sp splits
 #   bash bench/runs.sh allreduce            # NCCL vs symmetric-memory all-reduce latency
 # G = NGPU (default: all visible GPUs).
 set -uo pipefail
@@ -25,16 +27,24 @@ case $what in
     run torchrun --nproc_per_node="$G" launch/prefill.py seq_len=32768 q_heads=32 kv_heads=8 \
       head_dim=128 dtype=bfloat16 causal=true warmup=2 iters=5 "peers=[cp_cudnn]"
     ;;
+  ring4)
+    for S in 131072 524288; do
+      run torchrun --nproc_per_node="$G" launch/prefill.py seq_len=$S q_heads=32 kv_heads=32 \
+        head_dim=128 dtype=bfloat16 causal=true warmup=1 iters=3 compare_max_len=524288 \
+        "peers=[cp_cudnn]"
+    done
+    ;;
   allreduce)
     run torchrun --nproc_per_node="$G" bench/allreduce.py
     ;;
   decode)
     layouts=("parallel.tp=$G" "parallel.sp=$G")
     [ "$G" = 1 ] && layouts=("parallel.tp=1")
+    [ -n "${LAYOUTS:-}" ] && read -r -a layouts <<< "$LAYOUTS"  # e.g. "parallel.tp=2,parallel.sp=2"
     for C in "$@"; do
       for par in "${layouts[@]}"; do
-        tag="decode_g${G}_$(echo "${par#parallel.}" | tr -d =)_$C"
-        run torchrun --nproc_per_node="$G" launch/decode.py +model=codellama34b "$par" \
+        tag="decode_g${G}_$(echo "$par" | sed 's/parallel\.//g' | tr -d '=,')_$C"
+        run torchrun --nproc_per_node="$G" launch/decode.py +model=codellama34b ${par//,/ } \
           context_len="$C" gen_len=64 profile="${PROFILE:-false}" output="/tmp/runs/$tag"
         cp "$(ls -d /tmp/runs/"$tag"/*/ | tail -1)summary.json" "$out/$tag.json"
       done
@@ -45,5 +55,5 @@ case $what in
       run python3 bench/hf_peer.py --context "$C" --gen 24 --out "$out/hf_peer_$C.json"
     done
     ;;
-  *) echo "unknown: $what (decode <contexts> | hf <contexts> | ring | allreduce)"; exit 2 ;;
+  *) echo "unknown: $what (decode <contexts> | hf <contexts> | ring | ring4 | allreduce)"; exit 2 ;;
 esac

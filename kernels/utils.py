@@ -73,7 +73,7 @@ def pdl_wait(USE_PDL: tl.constexpr):
     Deliberately no early `griddepcontrol.launch_dependents` after the wait: with it, the ring's
     attention -> merge_into sequence gave different results from run to run on an H200 (up to
     6e-2 from a synchronised run; bit-exact with the wait alone or without PDL;
-    tests/test_pdl_gpu.py), i.e. some later kernel ran before this one had finished with its
+    tests/test_ring_gpu.py), i.e. some later kernel ran before this one had finished with its
     memory. The next kernel is then scheduled as this one's programs exit.
     """
     if USE_PDL:

@@ -1,9 +1,12 @@
-"""Kernels launched with programmatic dependent launch (PDL) must not race with their neighbours.
+"""Ring attention on GPUs is deterministic: the same bits as its blocks run on one device.
 
-The ring's per-step sequence (prefill attention -> merge_into, many launches, partial outputs
-freed and their memory reused right away) must give the same bits as the same sequence run with
-a device synchronisation after every attention call. An early `launch_dependents` in the merge
-kernel once broke this (see longctx.kernels.utils.pdl_wait).
+- One GPU: the ring's per-step sequence (prefill attention -> merge_into, many launches, partial
+  outputs freed and their memory reused at once) gives the same bits as the same sequence with
+  a device synchronisation after every attention call. An early `launch_dependents` in the
+  merge kernel (PDL) once broke this (see longctx.kernels.utils.pdl_wait).
+- Several GPUs (NCCL): ring_attention, called repeatedly, gives the same bits as its blocks run
+  on one device. Overlapping the transfers with compute once broke this (parallel/ring.py,
+  _OVERLAP).
 """
 
 import pytest
@@ -11,7 +14,8 @@ import torch
 
 import longctx
 from longctx.merge import merge_into
-from longctx.parallel.ring import _step_blocks, shard_chunks
+from longctx.parallel.ring import _step_blocks, ring_attention, shard_chunks
+from tests.dist_utils import run_distributed
 
 pytestmark = pytest.mark.gpu
 
@@ -51,3 +55,24 @@ def test_attention_merge_sequence_is_deterministic():
     for _ in range(5):
         o, lse = _ring_sequence(q, k, v, 4, 0, sync=False)
         assert torch.equal(o, o_ref) and torch.equal(lse, lse_ref)
+
+
+def _ring_worker(rank, world):
+    device = torch.device("cuda", rank)
+    g = torch.Generator(device=device).manual_seed(0)  # the same full sequence on every rank
+    q, k, v = (torch.randn(1, 131072, 32, 128, device=device, generator=g).to(torch.bfloat16)
+               for _ in range(3))
+    o_ref, _ = _ring_sequence(q, k, v, world, rank, sync=True)
+    chunks = shard_chunks(q.shape[1], world, rank, "zigzag")
+    q_loc, k_loc, v_loc = (torch.cat([x[:, a:a + n] for a, n in chunks], 1) for x in (q, k, v))
+    for i in range(5):
+        o = ring_attention(q_loc, k_loc, v_loc, causal=True)
+        assert torch.equal(o, o_ref.to(o.dtype)), \
+            f"rank {rank}, call {i}: max diff {(o.float() - o_ref).abs().max().item():.3e}"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ring_matches_its_blocks_on_one_device(world):
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} CUDA devices")
+    run_distributed(_ring_worker, world, backend="nccl")
