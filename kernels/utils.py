@@ -48,9 +48,9 @@ def pdl_launch(device: torch.device) -> dict:
     """Launch arguments for programmatic dependent launch (PDL, Hopper and later).
 
     A decode step at batch 1 is a chain of a dozen short kernels per layer; launched with PDL a
-    kernel is scheduled while its predecessor's last programs drain, instead of after the
-    predecessor has completed and flushed, so its launch latency and its prologue (the GEMV's
-    first weight tile) overlap the predecessor's tail. Every kernel launched so must call
+    kernel is scheduled as its predecessor's last programs exit, before the predecessor has been
+    flushed and retired, so its launch latency and its prologue (the GEMV's first weight tile)
+    overlap that. Every kernel launched so must call
     `pdl_wait` in every program before it touches memory written by earlier work or writes
     anything: that wait returns once the predecessor has completed and its writes are visible.
     Loads of data no kernel writes (weights) may come before it.
