@@ -17,21 +17,21 @@ G=${NGPU:-$(python3 -c "import torch; print(torch.cuda.device_count())")}
 what=$1
 shift
 run() { echo "+ $*"; "$@" 2>&1 | grep -v -i "warn" | tee -a "$out/runs.log"; }
+prefill() {  # prefill S KV_HEADS ARGS...: ring prefill, 32 query heads, head_dim 128, bf16, causal
+  local S=$1 kv=$2; shift 2
+  run torchrun --nproc_per_node="$G" launch/prefill.py seq_len="$S" q_heads=32 kv_heads="$kv" \
+    head_dim=128 dtype=bfloat16 causal=true "$@"
+}
 case $what in
   ring)
     for S in 32768 131072; do
-      run torchrun --nproc_per_node="$G" launch/prefill.py seq_len=$S q_heads=32 kv_heads=32 \
-        head_dim=128 dtype=bfloat16 causal=true warmup=2 iters=5 compare_max_len=131072 \
-        "peers=[cp_cudnn,cp_flash]"
+      prefill $S 32 warmup=2 iters=5 compare_max_len=131072 "peers=[cp_cudnn,cp_flash]"
     done
-    run torchrun --nproc_per_node="$G" launch/prefill.py seq_len=32768 q_heads=32 kv_heads=8 \
-      head_dim=128 dtype=bfloat16 causal=true warmup=2 iters=5 "peers=[cp_cudnn]"
+    prefill 32768 8 warmup=2 iters=5 "peers=[cp_cudnn]"
     ;;
   ring4)
     for S in 131072 524288; do
-      run torchrun --nproc_per_node="$G" launch/prefill.py seq_len=$S q_heads=32 kv_heads=32 \
-        head_dim=128 dtype=bfloat16 causal=true warmup=1 iters=3 compare_max_len=524288 \
-        "peers=[cp_cudnn]"
+      prefill $S 32 warmup=1 iters=3 compare_max_len=524288 "peers=[cp_cudnn]"
     done
     ;;
   allreduce)

@@ -324,7 +324,6 @@ def ring_attention(
         works = p2p.start(kv, bufs[t % 2]) if t + 1 < world else None
         if works is not None and not _OVERLAP:
             p2p.finish(works)
-            works = []
         kt, vt = kv
         for b in blocks:
             o, lse = attention(
@@ -336,7 +335,8 @@ def ring_attention(
             merge_into(o_acc[:, b.q0:b.q1], lse_acc[:, b.q0:b.q1], o, lse.transpose(1, 2),
                        check=False)
         if works is not None:
-            p2p.finish(works)  # (a no-op without overlap)
+            if _OVERLAP:
+                p2p.finish(works)
             kv = bufs[t % 2]
 
     o = o_acc.to(q.dtype)

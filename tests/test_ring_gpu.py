@@ -14,7 +14,7 @@ import torch
 
 import longctx
 from longctx.merge import merge_into
-from longctx.parallel.ring import _step_blocks, ring_attention, shard_chunks
+from longctx.parallel.ring import _step_blocks, ring_attention, shard_chunks, shard_sequence
 from tests.dist_utils import run_distributed
 
 pytestmark = pytest.mark.gpu
@@ -63,8 +63,7 @@ def _ring_worker(rank, world):
     q, k, v = (torch.randn(1, 131072, 32, 128, device=device, generator=g).to(torch.bfloat16)
                for _ in range(3))
     o_ref, _ = _ring_sequence(q, k, v, world, rank, sync=True)
-    chunks = shard_chunks(q.shape[1], world, rank, "zigzag")
-    q_loc, k_loc, v_loc = (torch.cat([x[:, a:a + n] for a, n in chunks], 1) for x in (q, k, v))
+    q_loc, k_loc, v_loc = (shard_sequence(x) for x in (q, k, v))
     for i in range(5):
         o = ring_attention(q_loc, k_loc, v_loc, causal=True)
         assert torch.equal(o, o_ref.to(o.dtype)), \
