@@ -1,8 +1,7 @@
-"""Triton kernel of the merge layer: N-way merge of partial (O, LSE) states in one launch.
-
-The same kernel serves `merge_states` (P parts -> one state) and `merge_into` (an accumulator
-plus one part, updated in place: HAS_ACC reads the accumulator as an extra part). Callers go
-through longctx.merge, which checks the inputs; see there for the math.
+"""Triton kernels of the merge layer: the N-way merge of partial (O, LSE) states
+(`merge_states`: P parts -> one state, one launch) and the in-place fold of one part into an
+accumulator (`merge_into`, the ring's step). Callers go through longctx.merge, which checks
+the inputs; see there for the math.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ def _merge_kernel(
     O, LSE, O_OUT, LSE_OUT,
     P, D,
     stride_op, stride_or, stride_lp, stride_lr, stride_out_r,
-    HAS_ACC: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # One program merges the P parts of one row (one query head of one token) for one chunk of
     # head_dim: decode merges have few rows, so head_dim chunks add the parallelism.
@@ -28,16 +27,9 @@ def _merge_kernel(
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_mask = offs_d < D
     # Running state: lse = m + log(s), o = acc / s. m = -inf, s = 0 is the empty state.
-    if HAS_ACC:
-        m = tl.load(LSE_OUT + r).to(tl.float32)
-        empty = m == float("-inf")
-        s = tl.where(empty, 0.0, 1.0)
-        acc = tl.load(O_OUT + r * stride_out_r + offs_d, mask=d_mask, other=0.0)
-        acc = tl.where(empty, 0.0, acc.to(tl.float32))  # an empty accumulator may hold anything
-    else:
-        m = tl.full((), float("-inf"), tl.float32)
-        s = tl.full((), 0.0, tl.float32)
-        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    m = tl.full((), float("-inf"), tl.float32)
+    s = tl.full((), 0.0, tl.float32)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     for p0 in range(0, P, BLOCK_P):
         offs_p = p0 + tl.arange(0, BLOCK_P)
         p_mask = offs_p < P
@@ -62,21 +54,43 @@ def _merge_kernel(
         tl.store(LSE_OUT + r, lse_out)
 
 
-def _launch(o3: torch.Tensor, lse2: torch.Tensor, o_out: torch.Tensor, lse_out: torch.Tensor,
-            has_acc: bool) -> None:
-    """o3 [P, R, D] (last stride 1), lse2 [P, R], o_out [R, D] (last stride 1), lse_out [R]."""
-    P, R, D = o3.shape
-    if R == 0:
-        return
-    # merge_into updates lse_acc in place: one program per row, or a chunk's write of the new
-    # LSE could race with another chunk's read of the old one.
-    BLOCK_D = triton.next_power_of_2(D) if has_acc else min(triton.next_power_of_2(D), 32)
-    BLOCK_P = max(1, min(triton.next_power_of_2(P), 4096 // BLOCK_D))
-    _merge_kernel[(R, triton.cdiv(D, BLOCK_D))](
-        o3, lse2, o_out, lse_out, P, D,
-        o3.stride(0), o3.stride(1), lse2.stride(0), lse2.stride(1), o_out.stride(0),
-        HAS_ACC=has_acc, BLOCK_P=BLOCK_P, BLOCK_D=BLOCK_D, num_warps=2, **pdl_launch(o3.device),
-    )
+@triton.jit
+def _merge_into_kernel(
+    O, LSE, O_ACC, LSE_ACC,
+    R, D, H,
+    stride_or, stride_l0, stride_lh, stride_ar,
+    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    # One program folds BLOCK_R rows of one part into the accumulator, in place. Ring merges
+    # have ~10^5-10^6 rows: whole tiles per program keep the per-program overhead (the PDL wait
+    # and trigger included) small against the bytes moved.
+    pdl_wait(USE_PDL)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_mask = rows < R
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < D
+    l_acc = tl.load(LSE_ACC + rows, mask=r_mask, other=float("-inf"))
+    l_new = tl.load(LSE + (rows // H) * stride_l0 + (rows % H) * stride_lh, mask=r_mask,
+                    other=float("-inf")).to(tl.float32)
+    m = tl.maximum(l_acc, l_new)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)  # both empty: exp() gives 0, not NaN
+    w_acc = tl.exp(l_acc - m_safe)
+    w_new = tl.exp(l_new - m_safe)
+    # Empty states (w == 0) are not read: an empty accumulator or part may hold anything.
+    acc_tile = rows[:, None] * stride_ar + offs_d[None, :]
+    o_acc = tl.load(O_ACC + acc_tile, mask=(r_mask & (w_acc > 0))[:, None] & d_mask[None, :],
+                    other=0.0)
+    o_new = tl.load(O + rows[:, None] * stride_or + offs_d[None, :],
+                    mask=(r_mask & (w_new > 0))[:, None] & d_mask[None, :], other=0.0)
+    s = w_acc + w_new
+    o_out = (o_acc * w_acc[:, None] + o_new.to(tl.float32) * w_new[:, None]) \
+        / tl.where(s > 0, s, 1.0)[:, None]
+    # Every warp has read the old accumulator before any writes the new one. Without this
+    # barrier a warp running late (e.g. beside another stream's kernel on the same SM) read the
+    # LSE that a faster warp of its program had just stored (tests/test_merge_gpu.py).
+    tl.debug_barrier()
+    tl.store(O_ACC + acc_tile, o_out, mask=r_mask[:, None] & d_mask[None, :])
+    tl.store(LSE_ACC + rows, m_safe + tl.log(s), mask=r_mask)  # log(0) = -inf: both empty
 
 
 def _rows(x: torch.Tensor, lead: int) -> torch.Tensor:
@@ -92,20 +106,38 @@ def merge_states_triton(o: torch.Tensor, lse: torch.Tensor, out_dtype: torch.dty
     P = o.shape[0]
     o3 = _rows(o, 1)
     lse2 = lse.reshape(P, -1)
+    R, D = o3.shape[1], o3.shape[2]
     o_out = torch.empty(o3.shape[1:], dtype=out_dtype or o.dtype, device=o.device)
     lse_out = torch.empty(lse2.shape[1:], dtype=torch.float32, device=o.device)
-    _launch(o3, lse2, o_out, lse_out, has_acc=False)
+    if R:
+        BLOCK_D = min(triton.next_power_of_2(D), 32)
+        BLOCK_P = max(1, min(triton.next_power_of_2(P), 4096 // BLOCK_D))
+        _merge_kernel[(R, triton.cdiv(D, BLOCK_D))](
+            o3, lse2, o_out, lse_out, P, D,
+            o3.stride(0), o3.stride(1), lse2.stride(0), lse2.stride(1), o_out.stride(0),
+            BLOCK_P=BLOCK_P, BLOCK_D=BLOCK_D, num_warps=2, **pdl_launch(o.device),
+        )
     return o_out.view(o.shape[1:]), lse_out.view(lse.shape[1:])
 
 
 def merge_into_triton(o_acc: torch.Tensor, lse_acc: torch.Tensor, o: torch.Tensor,
                       lse: torch.Tensor) -> None:
-    """In place (o_acc [..., H, D] f32, lse_acc [..., H] f32) <- merge(acc, (o, lse))."""
+    """In place (o_acc [..., H, D] f32, lse_acc [..., H] f32) <- merge(acc, (o, lse)); lse may
+    be a strided view (the ring passes its [B, S, H] transpose of attention's [B, H, S])."""
     inplace = o_acc.is_contiguous() and lse_acc.is_contiguous() and lse_acc.dtype == torch.float32
     acc_o = o_acc if inplace else o_acc.contiguous()
     acc_l = lse_acc if inplace else lse_acc.float().contiguous()
-    _launch(_rows(o, 0).unsqueeze(0), lse.reshape(1, -1), acc_o.view(-1, o.shape[-1]),
-            acc_l.view(-1), has_acc=True)
+    D, H = o.shape[-1], o.shape[-2]
+    o2 = _rows(o, 0)
+    l2 = lse.reshape(-1, H)  # a view, no copy, for the ring's B = 1 transpose
+    R = o2.shape[0]
+    if R:
+        BLOCK_D = triton.next_power_of_2(D)
+        BLOCK_R = max(1, min(32, 4096 // BLOCK_D))
+        _merge_into_kernel[(triton.cdiv(R, BLOCK_R),)](
+            o2, l2, acc_o, acc_l, R, D, H, o2.stride(0), l2.stride(0), l2.stride(1), D,
+            BLOCK_R=BLOCK_R, BLOCK_D=BLOCK_D, num_warps=4, **pdl_launch(o.device),
+        )
     if not inplace:
         o_acc.copy_(acc_o)
         lse_acc.copy_(acc_l)

@@ -49,9 +49,9 @@ def pdl_launch(device: torch.device) -> dict:
     """Launch arguments for programmatic dependent launch (PDL, Hopper and later).
 
     A decode step at batch 1 is a chain of a dozen short kernels per layer; launched with PDL a
-    kernel is scheduled as its predecessor's last programs exit, before the predecessor has been
-    flushed and retired, so its launch latency and its prologue (the GEMV's first weight tile)
-    overlap that. Every kernel launched so must call `pdl_wait` in every program before it
+    kernel is scheduled while its predecessor still runs (once every program of the predecessor
+    has passed its own `pdl_wait`), so its launch latency and its prologue (the GEMV's first
+    weight tile) overlap the predecessor's work. Every kernel launched so must call `pdl_wait` in every program before it
     touches memory written by earlier work or writes anything: that wait returns once the
     predecessor has completed and its writes are visible. Loads of data no kernel writes
     (weights) may come before it.
@@ -68,14 +68,16 @@ def pdl_launch(device: torch.device) -> dict:
 
 @triton.jit
 def pdl_wait(USE_PDL: tl.constexpr):
-    """With PDL: wait until the preceding kernel has completed and its writes are visible. A
-    no-op without.
+    """With PDL: wait until the preceding kernel has completed and its writes are visible, then
+    let the next kernel launch (its programs get scheduled and sit in their own wait). A no-op
+    without.
 
-    Deliberately no early `griddepcontrol.launch_dependents` after the wait: with it, the ring's
-    attention -> merge_into sequence gave different results from run to run on an H200 (up to
-    6e-2 from a synchronised run; bit-exact with the wait alone or without PDL;
-    tests/test_ring_gpu.py), i.e. some later kernel ran before this one had finished with its
-    memory. The next kernel is then scheduled as this one's programs exit.
+    This early trigger once looked unsafe: the ring's attention -> merge_into sequence gave
+    different results from run to run with it. The cause was merge_into's in-place update, whose
+    late warps could read the LSE that a faster warp had already overwritten (kernels/merge.py);
+    co-resident programs of the next kernel made such skew likely. tests/test_merge_gpu.py and
+    tests/test_ring_gpu.py check it.
     """
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()

@@ -10,8 +10,8 @@ At step t rank r holds the K/V shard of rank (r - t) mod W. It computes the part
 (O, LSE) of its queries against that shard with `longctx.attention` at the chunks' absolute
 positions, skips chunk pairs that the causal mask hides entirely, and folds the result into a
 float32 accumulator with `merge_into`. The transfer for step t+1 (send to rank r+1, receive from
-rank r-1, into the second of two buffers) is issued from a side stream before step t's compute,
-but step t's compute currently waits for it: see `_OVERLAP`.
+rank r-1, into the second of two buffers) is issued from a side stream before step t's compute
+and overlaps it; step t+1's compute waits for it.
 
     >>> q_loc = shard_sequence(q, group, "zigzag")          # [B, S/W, Hq, D]
     >>> o_loc = ring_attention(q_loc, k_loc, v_loc, group=group, causal=True)
@@ -208,15 +208,12 @@ def _coalesce(blocks: list[_Block]) -> list[_Block]:
     return sorted(blocks, key=lambda b: (b.q0, b.k0))
 
 
-# Overlapping the next step's transfer with the current step's compute is what the double
-# buffering is for, but on 4x H200 (NCCL, torch 2.11) it made the output differ from run to run
-# (max |O| difference up to 0.2 at 131072 tokens on ranks whose steps read part of a received
-# shard), while the same code with the compute waiting for each transfer first was bit-identical
-# to the same blocks run on one device (tests/test_ring_gpu.py). Every stream dependency we could
-# find is in place (see _RingP2P); until the cause is found the ring does not overlap. Costs a
-# few % at 131072 tokens on 4 GPUs (a 268 MB shard over NVLink per step against ~20 ms of
-# attention), less at longer sequences.
-_OVERLAP = False
+# Overlap the next step's transfer with the current step's compute (what the double buffering
+# is for). False: each step's compute waits for its transfer first (for timing the difference).
+# Overlapped rings once gave results that changed from run to run; the cause was merge_into's
+# in-place update racing between warps (kernels/merge.py), which NCCL's kernels sharing the SMs
+# made likely. tests/test_ring_gpu.py checks the overlapped ring.
+_OVERLAP = True
 
 
 class _RingP2P:

@@ -145,18 +145,21 @@ def test_merge_kernel_matches_torch(P, dtype, D, device):
     assert torch.equal(ko[0, 0], torch.zeros_like(ko[0, 0])) and torch.isneginf(klse[0, 0])
 
 
-def test_merge_into_kernel_matches_torch(device):
-    o_acc, lse_acc = _states(1, 4, 3, 64, torch.float32, device=device)
-    o_acc, lse_acc = o_acc[0], lse_acc[0]
-    o, lse = _states(1, 4, 3, 64, torch.float16, device=device)
-    o, lse = o[0], lse[0]
-    ref_o, ref_lse = o_acc.cpu(), lse_acc.cpu()
+@pytest.mark.parametrize("B,S,H,D", [(1, 4, 3, 64), (1, 37, 5, 128), (2, 19, 4, 64)])
+def test_merge_into_kernel_matches_torch(B, S, H, D, device):
+    """Rows not a multiple of the kernel's row tile, empty accumulator rows and parts, and the
+    ring's LSE layout: a [B, S, H] transpose of attention's [B, H, S] (a view when B = 1)."""
+    o_acc, lse_acc = _states(B, S, H, D, torch.float32, device=device)
+    o, lse = _states(B, S, H, D, torch.float16, device=device)
+    lse = lse.transpose(1, 2).contiguous().transpose(1, 2)  # same values, attention's strides
+    ref_o, ref_lse = o_acc.cpu().clone(), lse_acc.cpu().clone()
     merge_into(ref_o, ref_lse, o.cpu(), lse.cpu())
     with force_triton(device == "cpu"):
         merge_into(o_acc, lse_acc, o, lse)
     torch.testing.assert_close(o_acc.cpu(), ref_o, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse_acc.cpu(), ref_lse, rtol=1e-6, atol=1e-5)
-    assert torch.equal(o_acc[0, 0], torch.zeros_like(o_acc[0, 0]))
+    assert torch.equal(o_acc[:, 0, 0], torch.zeros_like(o_acc[:, 0, 0]))
+    assert torch.isneginf(lse_acc[:, 0, 0]).all()
 
 
 def _group_merge_worker(rank, world, o_all, lse_all):

@@ -2,12 +2,13 @@
 
 - One GPU: the ring's per-step sequence (prefill attention -> merge_into, many launches, partial
   outputs freed and their memory reused at once) gives the same bits as the same sequence with
-  a device synchronisation after every attention call. An early `launch_dependents` in the
-  merge kernel (PDL) once broke this (see longctx.kernels.utils.pdl_wait).
-- Several GPUs (NCCL): ring_attention, called repeatedly, gives the same bits as its blocks run
-  on one device. Overlapping the transfers with compute once broke this (parallel/ring.py,
-  _OVERLAP).
-"""
+  a device synchronisation after every attention call.
+- Several GPUs (NCCL): ring_attention, called repeatedly, with each step's transfer overlapping
+  the previous step's compute, gives the same bits as its blocks run on one device.
+
+Both once failed: merge_into's in-place update raced between the warps of a program when
+something else (the next kernel's early-launched programs, NCCL's kernels) shared the SMs; see
+kernels/merge.py and tests/test_merge_gpu.py."""
 
 import pytest
 import torch
