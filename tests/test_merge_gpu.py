@@ -4,7 +4,8 @@ another stream's kernel shares the SMs.
 Without a barrier between the reads of the old accumulator and the writes of the new one, a
 warp that ran late read the LSE that another warp of its program had just stored. That needs
 skewed warps, which a kernel on another stream (the ring's NCCL transfer; here a spinning
-kernel) provides: on one H200 about 1 in 70 merges of the ring's shape went wrong that way.
+kernel) provides. On one H200, 1 to 2 of every 15 runs of a ring rank's 6 attention -> merge
+steps went wrong that way (bench/results/merge-race-h200.txt); this test failed with that kernel.
 """
 
 import pytest
