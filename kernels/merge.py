@@ -14,6 +14,21 @@ from longctx.kernels.utils import pdl_launch, pdl_wait
 
 
 @triton.jit
+def _rescale(m, m_new, lse):
+    """The merge rule's weights against a new running max m_new: exp(m - m_new) for the state
+    so far and exp(lse - m_new) for new parts. While everything seen is empty (m_new = -inf)
+    they shift by 0, so exp() gives 0 instead of NaN. Empty states get weight 0."""
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    return tl.exp(m - m_safe), tl.exp(lse - m_safe)
+
+
+@triton.jit
+def _state_lse(m, s):
+    """LSE of a running state (max m, sum of weights s); log(0) = -inf if all was empty."""
+    return tl.where(m == float("-inf"), 0.0, m) + tl.log(s)
+
+
+@triton.jit
 def _merge_kernel(
     O, LSE, O_OUT, LSE_OUT,
     P, D,
@@ -36,18 +51,14 @@ def _merge_kernel(
         lse = tl.load(LSE + offs_p * stride_lp + r * stride_lr, mask=p_mask, other=float("-inf"))
         lse = lse.to(tl.float32)
         m_new = tl.maximum(m, tl.max(lse, axis=0))
-        # Shift by 0 while everything seen is empty, so exp() gives 0 instead of NaN.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - m_safe)
-        w = tl.exp(lse - m_safe)
+        alpha, w = _rescale(m, m_new, lse)
         # Empty parts (w == 0) are not read: their O may be anything.
         o_ptrs = O + offs_p[:, None] * stride_op + r * stride_or + offs_d[None, :]
         o = tl.load(o_ptrs, mask=(p_mask & (w > 0))[:, None] & d_mask[None, :], other=0.0)
         acc = acc * alpha + tl.sum(w[:, None] * o.to(tl.float32), axis=0)
         s = s * alpha + tl.sum(w, axis=0)
         m = m_new
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    lse_out = m_safe + tl.log(s)  # log(0) = -inf: every part was empty
+    lse_out = _state_lse(m, s)
     o_out = acc / tl.where(s > 0, s, 1.0)
     tl.store(O_OUT + r * stride_out_r + offs_d, o_out.to(O_OUT.dtype.element_ty), mask=d_mask)
     if tl.program_id(1) == 0:
@@ -73,9 +84,7 @@ def _merge_into_kernel(
     l_new = tl.load(LSE + (rows // H) * stride_l0 + (rows % H) * stride_lh, mask=r_mask,
                     other=float("-inf")).to(tl.float32)
     m = tl.maximum(l_acc, l_new)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)  # both empty: exp() gives 0, not NaN
-    w_acc = tl.exp(l_acc - m_safe)
-    w_new = tl.exp(l_new - m_safe)
+    w_acc, w_new = _rescale(l_acc, m, l_new)  # the accumulator is a state of weight sum 1
     # Empty states (w == 0) are not read: an empty accumulator or part may hold anything.
     acc_tile = rows[:, None] * stride_ar + offs_d[None, :]
     o_acc = tl.load(O_ACC + acc_tile, mask=(r_mask & (w_acc > 0))[:, None] & d_mask[None, :],
@@ -90,7 +99,7 @@ def _merge_into_kernel(
     # LSE that a faster warp of its program had just stored (tests/test_merge_gpu.py).
     tl.debug_barrier()
     tl.store(O_ACC + acc_tile, o_out, mask=r_mask[:, None] & d_mask[None, :])
-    tl.store(LSE_ACC + rows, m_safe + tl.log(s), mask=r_mask)  # log(0) = -inf: both empty
+    tl.store(LSE_ACC + rows, _state_lse(m, s), mask=r_mask)
 
 
 def _rows(x: torch.Tensor, lead: int) -> torch.Tensor:

@@ -51,10 +51,10 @@ def pdl_launch(device: torch.device) -> dict:
     A decode step at batch 1 is a chain of a dozen short kernels per layer; launched with PDL a
     kernel is scheduled while its predecessor still runs (once every program of the predecessor
     has passed its own `pdl_wait`), so its launch latency and its prologue (the GEMV's first
-    weight tile) overlap the predecessor's work. Every kernel launched so must call `pdl_wait` in every program before it
-    touches memory written by earlier work or writes anything: that wait returns once the
-    predecessor has completed and its writes are visible. Loads of data no kernel writes
-    (weights) may come before it.
+    weight tile) overlap the predecessor's work. Every kernel launched so must call `pdl_wait`
+    in every program before it touches memory written by earlier work or writes anything: that
+    wait returns once the predecessor has completed and its writes are visible. Loads of data
+    no kernel writes (weights) may come before it.
 
     Returns {"USE_PDL": True, "launch_pdl": True} on sm_90+ GPUs, else {"USE_PDL": False}
     (CPU and the interpreter, older GPUs, LONGCTX_PDL=0 in the environment, or inside

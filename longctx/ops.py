@@ -1,4 +1,5 @@
-"""The model's small ops: batch-1 linear (plain, or with SiLU-and-multiply), RMSNorm, rotary embedding, SiLU-and-multiply, KV store.
+"""The model's small ops: batch-1 linear (plain, or fused with SiLU-and-multiply), RMSNorm,
+rotary embedding, SiLU-and-multiply, KV store.
 
 On CUDA each is one fused Triton kernel (longctx.kernels.fused); on the CPU the torch code
 below runs, and it is the reference the kernels are tested against.

@@ -9,9 +9,8 @@ The sequence is sharded over the W ranks of a process group in one of two layout
 At step t rank r holds the K/V shard of rank (r - t) mod W. It computes the partial state
 (O, LSE) of its queries against that shard with `longctx.attention` at the chunks' absolute
 positions, skips chunk pairs that the causal mask hides entirely, and folds the result into a
-float32 accumulator with `merge_into`. The transfer for step t+1 (send to rank r+1, receive from
-rank r-1, into the second of two buffers) is issued from a side stream before step t's compute
-and overlaps it; step t+1's compute waits for it.
+float32 accumulator with `merge_into`. Meanwhile the shard is already on its way to rank r+1 and
+the next one is arriving from rank r-1 (double buffering), so communication overlaps compute.
 
     >>> q_loc = shard_sequence(q, group, "zigzag")          # [B, S/W, Hq, D]
     >>> o_loc = ring_attention(q_loc, k_loc, v_loc, group=group, causal=True)
@@ -208,21 +207,14 @@ def _coalesce(blocks: list[_Block]) -> list[_Block]:
     return sorted(blocks, key=lambda b: (b.q0, b.k0))
 
 
-# Overlap the next step's transfer with the current step's compute (what the double buffering
-# is for). False: each step's compute waits for its transfer first (for timing the difference).
-# Overlapped rings once gave results that changed from run to run; the cause was merge_into's
-# in-place update racing between warps (kernels/merge.py), which NCCL's kernels sharing the SMs
-# made likely. tests/test_ring_gpu.py checks the overlapped ring.
-_OVERLAP = True
-
-
 class _RingP2P:
     """Sends K/V to the next rank and receives the previous rank's, one step ahead of compute.
 
     On CUDA the P2P ops are issued from a side stream, ordered after the work already queued on
-    the compute stream, and the compute stream waits for them in `finish` (with _OVERLAP, only
-    when it needs the data, so the transfer of step t+1 overlaps the attention of step t). No
-    host synchronisation.
+    the compute stream, and the compute stream waits for them only when it needs the data, so
+    the transfer of step t+1 overlaps the attention of step t. No host synchronisation.
+    (Overlapped rings once gave results that changed from run to run: merge_into's in-place
+    update raced between warps when NCCL's kernels shared the SMs; tests/test_ring_gpu.py.)
     """
 
     def __init__(self, group: dist.ProcessGroup | None, rank: int, world: int,
@@ -319,8 +311,6 @@ def ring_attention(
         # Post the transfer for step t+1 before computing step t. Buffer t % 2 was last read by
         # step t-1's compute and last sent during step t-1, both ordered before this receive.
         works = p2p.start(kv, bufs[t % 2]) if t + 1 < world else None
-        if works is not None and not _OVERLAP:
-            p2p.finish(works)
         kt, vt = kv
         for b in blocks:
             o, lse = attention(
@@ -332,8 +322,7 @@ def ring_attention(
             merge_into(o_acc[:, b.q0:b.q1], lse_acc[:, b.q0:b.q1], o, lse.transpose(1, 2),
                        check=False)
         if works is not None:
-            if _OVERLAP:
-                p2p.finish(works)
+            p2p.finish(works)
             kv = bufs[t % 2]
 
     o = o_acc.to(q.dtype)
