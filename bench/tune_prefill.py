@@ -1,12 +1,15 @@
-"""Tuning sweep for the FlashAttention forward (a development tool; results inform the autotune
-config set in kernels/prefill.py). Times every (BLOCK_M, BLOCK_N, warps, stages, warp
-specialisation) variant on a few benchmark shapes, with SDPA's cuDNN backend as the yardstick.
+"""Tuning sweep for the FlashAttention forward (a development tool; its results are the launch
+table in kernels/prefill.py). Times every (BLOCK_M, BLOCK_N, warps, stages) config in both grid
+orders (heads fastest / query tiles fastest) on the prefill benchmark's shapes, with SDPA's
+cuDNN backend as the yardstick, and prints TFLOPS (causal FLOPs halved).
 
-    python bench/tune_prefill.py
+    python bench/tune_prefill.py [--shapes 16/2/16384/1 32/32/65536/0] [--json out.json]
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -17,36 +20,64 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch"))
 from bench import bench_ms  # noqa: E402
 
-from longctx.kernels.prefill import flash_attention_fwd  # noqa: E402
+from longctx.kernels.prefill import flash_attention_fwd, launch_config  # noqa: E402
 
-
-SHAPES = [(16, 2, 16384, True), (16, 2, 16384, False), (32, 32, 16384, True), (32, 32, 65536, False)]
-CONFIGS = [(128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3),
-           (128, 64, 8, 2), (128, 128, 4, 2)]
+SHAPES = [f"{h}/{n}/{c}" for h in ("16/2", "32/32") for n in (4096, 16384, 65536) for c in (1, 0)]
+CONFIGS = ["128,64,8,3", "128,128,8,2", "128,128,8,3", "128,64,8,4", "64,64,4,3", "64,64,4,4",
+           "64,128,4,2", "128,64,4,3", "256,64,8,2"]
+TIMING = dict(warmup_ms=20, rep_ms=60)
 
 
 def main() -> None:
-    for hq, hkv, n, causal in SHAPES:
-        q = torch.randn(1, n, hq, 128, device="cuda", dtype=torch.bfloat16)
-        k = torch.randn(1, n, hkv, 128, device="cuda", dtype=torch.bfloat16)
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", nargs="+", default=SHAPES, help="Hq/Hkv/N/causal")
+    ap.add_argument("--configs", nargs="+", default=CONFIGS, help="BLOCK_M,BLOCK_N,warps,stages")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--json", default=None, help="write every timing here")
+    args = ap.parse_args()
+    d = args.head_dim
+    rows = []
+    for shape in args.shapes:
+        hq, hkv, n, causal = (int(x) for x in shape.split("/"))
+        causal = bool(causal)
+        q = torch.randn(1, n, hq, d, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(1, n, hkv, d, device="cuda", dtype=torch.bfloat16)
         v = torch.randn_like(k)
-        flops = 4 * hq * n * n * 128 * (0.5 if causal else 1.0)
+        flops = 4 * hq * n * n * d * (0.5 if causal else 1.0)
         qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             ms = bench_ms(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal,
-                                                                 enable_gqa=True), 20, 60)
-        res = [f"cudnn {flops / ms / 1e9:.0f}"]
-        for (bm, bn, w, st), ws in [(c, ws) for c in CONFIGS for ws in (False, True)]:
-            cfg = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st, WARP_SPECIALIZE=ws)
-            try:
-                ms = bench_ms(lambda: flash_attention_fwd(q, k, v, softmax_scale=128**-0.5,
-                                                          causal=causal, q_start=0, k_start=0,
-                                                          _config=cfg), 20, 60)
-                res.append(f"{bm}/{bn}/{w}/{st}{'/ws' if ws else ''} {flops / ms / 1e9:.0f}")
-            except Exception as e:  # a variant that does not compile or fit is listed as such
-                res.append(f"{bm}/{bn}/{w}/{st}{'/ws' if ws else ''} {type(e).__name__}")
-        print(f"{hq}/{hkv} N={n} causal={causal}: " + " | ".join(res), flush=True)
+                                                                 enable_gqa=True), **TIMING)
+        row = {"shape": shape, "cudnn": flops / ms / 1e9, "configs": {}}
+
+        def run(cfg: dict | None) -> float:
+            return bench_ms(lambda: flash_attention_fwd(q, k, v, softmax_scale=d**-0.5,
+                                                        causal=causal, q_start=0, k_start=0,
+                                                        _config=cfg), **TIMING)
+
+        row["table"] = flops / run(None) / 1e9
+        table = launch_config(d, torch.bfloat16, hkv, n, n)
+        row["table_config"] = (f"{table['BLOCK_M']},{table['BLOCK_N']},{table['num_warps']},"
+                                 f"{table['num_stages']}{',m' if table['M_FASTEST'] else ''}")
+        for c in args.configs:
+            bm, bn, w, st = (int(x) for x in c.split(","))
+            for m_fast in (False, True):
+                name = f"{c}{',m' if m_fast else ''}"
+                cfg = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st, M_FASTEST=m_fast)
+                try:
+                    row["configs"][name] = flops / run(cfg) / 1e9
+                except Exception as e:  # a variant that does not compile or fit is listed as such
+                    row["configs"][name] = f"{type(e).__name__}"
+        ok = {k: x for k, x in row["configs"].items() if isinstance(x, float)}
+        best = max(ok, key=ok.get)
+        print(f"{shape:>14}  cudnn {row['cudnn']:4.0f}  table {row['table']:4.0f} "
+              f"({row['table_config']})  best {best} {ok[best]:4.0f}  | "
+              + " ".join(f"{k}={x if isinstance(x, str) else round(x)}"
+                         for k, x in row["configs"].items()), flush=True)
+        rows.append(row)
         del q, k, v, qt, kt, vt
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":

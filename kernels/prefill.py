@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from longctx.backend import interpreter_active
+from longctx.kernels.merge import _rescale, _state_lse
 
 __all__ = ["flash_attention_fwd"]
 
@@ -132,7 +133,7 @@ def _attn_fwd_inner(
 
 # Offsets and lengths change from call to call (ring steps, chunked prefill): do not
 # specialise on their values (==1, %16) to avoid recompiles; they only feed loop bounds.
-@triton.jit(do_not_specialize=["Q_START", "K_START", "seqlen_q_dense", "seqlen_k_dense", "Q_BUCKET", "K_BUCKET"])
+@triton.jit(do_not_specialize=["Q_START", "K_START", "seqlen_q_dense", "seqlen_k_dense", "max_seqlen_q"])
 def _attn_fwd_kernel(
     Q, K, V, O, LSE,
     Q_START, K_START,          # python ints or int32/int64 pointers [B]
@@ -141,11 +142,11 @@ def _attn_fwd_kernel(
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh,
-    stride_lb, stride_lh,
+    stride_lb, stride_lh, stride_ls,
     seqlen_q_dense, seqlen_k_dense,
+    max_seqlen_q,              # sizes the grid: cdiv(max_seqlen_q, BLOCK_M) query tiles per head
     num_heads_q, group_size,
     qk_scale,                  # softmax_scale * log2(e)
-    Q_BUCKET, K_BUCKET,        # autotune key only (length buckets); unused in the body
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -157,18 +158,33 @@ def _attn_fwd_kernel(
     INPUT_PRECISION: tl.constexpr,
     INTERPRET: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr = False,
+    M_FASTEST: tl.constexpr = False,
+    ACCUMULATE: tl.constexpr = False,
 ):
     """One program = one (batch, q head, BLOCK_M query rows) tile.
 
-    grid = (B * Hq, cdiv(max_seqlen_q, BLOCK_M)); axis 1 is walked backwards
-    so that, for causal attention, the most expensive (last) query tiles of
-    every head are scheduled first (better tail balance).
+    ACCUMULATE=False: O (q's dtype) and LSE receive the tile's output and LSE.
+    ACCUMULATE=True: O [.., D] float32 and LSE float32 hold a running state (a ring's
+    accumulator) and the tile's state is merged into it in place, by the merge layer's rule.
+
+    grid = (B * Hq * cdiv(max_seqlen_q, BLOCK_M),). M_FASTEST=False: consecutive programs
+    are the heads of one query tile; True: the query tiles of one head, so the programs
+    resident at any time stream the same K/V (L2 reuse when every head has its own K/V).
+    Query tiles are walked backwards so that, for causal attention, the most expensive
+    (last) tiles are scheduled first (better tail balance).
     """
-    off_bh = tl.program_id(0)
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(max_seqlen_q, BLOCK_M)
+    if M_FASTEST:
+        off_bh = pid // num_m
+        start_m = num_m - 1 - pid % num_m
+    else:
+        num_bh = tl.num_programs(0) // num_m
+        off_bh = pid % num_bh
+        start_m = num_m - 1 - pid // num_bh
     off_b = off_bh // num_heads_q
     off_h = off_bh % num_heads_q
     off_kvh = off_h // group_size
-    start_m = tl.num_programs(1) - 1 - tl.program_id(1)
 
     if IS_VARLEN:
         q_seq0 = tl.load(CU_SEQLENS_Q + off_b)
@@ -252,98 +268,76 @@ def _attn_fwd_kernel(
     acc = acc / l_safe[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
 
-    o_desc = tl.make_tensor_descriptor(O + o_base - m0.to(tl.int64) * stride_os,
-                                       shape=[seqlen_q, HEAD_DIM], strides=[stride_os, 1],
-                                       block_shape=[BLOCK_M, BLOCK_D])
-    o_desc.store([m0, 0], acc.to(O.dtype.element_ty))  # rows past seqlen_q are dropped
-    l_base = b64 * stride_lb + off_h.to(tl.int64) * stride_lh + (q_seq0 + m0).to(tl.int64)
-    tl.store(LSE + l_base + tl.arange(0, BLOCK_M), lse, mask=row_in)
+    l_base = (b64 * stride_lb + off_h.to(tl.int64) * stride_lh
+              + (q_seq0 + m0).to(tl.int64) * stride_ls)
+    l_ptrs = LSE + l_base + tl.arange(0, BLOCK_M) * stride_ls
+    if ACCUMULATE:
+        # merge_into's rule (kernels/merge.py) on this tile: each (row, head) belongs to exactly
+        # one program, so there is no race between programs.
+        offs_d = tl.arange(0, BLOCK_D)
+        tile = row_in[:, None] & (offs_d < HEAD_DIM)[None, :]
+        o_ptrs = O + o_base + tl.arange(0, BLOCK_M)[:, None] * stride_os + offs_d[None, :]
+        lse_old = tl.load(l_ptrs, mask=row_in, other=float("-inf"))
+        m = tl.maximum(lse_old, lse)
+        w_old, w_new = _rescale(lse_old, m, lse)
+        o_old = tl.load(o_ptrs, mask=tile & (w_old > 0)[:, None], other=0.0)
+        s = w_old + w_new
+        acc = (o_old * w_old[:, None] + acc * w_new[:, None]) / tl.where(s > 0, s, 1.0)[:, None]
+        # Every warp has read the old state before any overwrites it (see _merge_into_kernel).
+        tl.debug_barrier()
+        tl.store(o_ptrs, acc, mask=tile)
+        tl.store(l_ptrs, _state_lse(m, s), mask=row_in)
+    else:
+        o_desc = tl.make_tensor_descriptor(O + o_base - m0.to(tl.int64) * stride_os,
+                                           shape=[seqlen_q, HEAD_DIM], strides=[stride_os, 1],
+                                           block_shape=[BLOCK_M, BLOCK_D])
+        o_desc.store([m0, 0], acc.to(O.dtype.element_ty))  # rows past seqlen_q are dropped
+        tl.store(l_ptrs, lse, mask=row_in)
 
 
 # --------------------------------------------------------------------------- #
-# Autotuning
+# Launch configuration
 # --------------------------------------------------------------------------- #
-# (BLOCK_M, BLOCK_N, num_warps, num_stages). Checked by AOT-compiling for sm_90 on CPU
-# (compile_check.py): fp16/bf16 ones use async wgmma + cp.async pipelining; no spills
-# except small ones for (128, 128, 8, 3) @ D=128 (8 B), (128, 64, 4, 3) @ D=128 (120 B),
-# (64, 64, 4, 3) @ D=256 (152 B) and (64, 32, 4, 2) @ D=256 (8 B).
-_HALF_CONFIGS = [
-    (128, 64, 8, 3),   # default pick for D=64/128
-    (128, 128, 8, 3),  # D=64 (at D=128: 224 KiB smem, borderline)
-    (128, 128, 8, 2),  # D=128
-    (128, 64, 4, 3),   # D=64
-    (128, 64, 8, 2),   # D=256
-    (128, 32, 8, 2),   # D=256
-    (64, 64, 4, 3),    # short queries / many small varlen sequences
-    (64, 32, 4, 2),    # short queries, D=256
-]
-# fp32 with input_precision="ieee" runs on FMA units (no tensor cores) and is very
-# register hungry: only small tiles avoid spilling. fp32 is a correctness path.
-_FP32_CONFIGS = [
-    (64, 32, 8, 2),
-    (32, 32, 4, 2),
-    (32, 16, 4, 2),
-]
+# A fixed table instead of Triton's runtime autotuner: the autotuner keyed shapes by coarse
+# length buckets, so the first shape timed chose the config for every other shape of its bucket
+# (32/32 heads at 65536 ran a 16/2-at-16384 pick at 407 TFLOPS instead of 502), and in a ring
+# it timed its candidates on the first call while NCCL shared the GPU. The table is what
+# `python bench/tune_prefill.py` measured on an H100 (bf16, D=128, all 12 benchmark shapes,
+# `bench/results/tune-prefill-h100.json`):
+#   * up to 4096 query rows, 64x64 tiles, 4 warps, 3 stages: best or within 1% at every
+#     4096-row shape (two such programs share an SM; more programs balance the waves);
+#   * longer, 128x128 tiles, 8 warps, 3 stages: best or within 3% at every longer shape.
+# Grid order: when one sequence's K/V (all its KV heads) exceed _L2_KV_BYTES, the query tiles
+# of one head run side by side (M_FASTEST) so the resident programs stream the same K/V through
+# the L2; otherwise the heads of one query tile do (heads-fastest was 4-14% faster at 4-16 MiB of
+# K/V, query-tiles-fastest 6-25% faster at 64 MiB and more).
+# (BLOCK_M, BLOCK_N, num_warps, num_stages).
+_SHORT_Q = (64, 64, 4, 3)
+_LONG_Q = (128, 128, 8, 3)   # 224 KiB of shared memory at D=128: Hopper's opt-in limit is 227
+_D256 = (128, 64, 8, 2)
+# fp32 ("ieee" dots on FMA units, no tensor cores) is a correctness path: small tiles avoid spills.
+_FP32 = (32, 32, 4, 2)
+_FP32_D256 = (32, 16, 4, 2)
+_L2_KV_BYTES = 32 << 20
+# Every config the table can choose (the GPU tests run each one).
+LAUNCH_CONFIGS = (_SHORT_Q, _LONG_Q, _D256, _FP32, _FP32_D256)
 
 
-def _configs() -> list[triton.Config]:
-    """H100-oriented config set; exactly one config under the interpreter."""
-    if _INTERPRET:
-        return [triton.Config({"BLOCK_M": 64, "BLOCK_N": 32}, num_warps=4, num_stages=1)]
-    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st)
-            for bm, bn, w, st in dict.fromkeys(_HALF_CONFIGS + _FP32_CONFIGS)]
-
-
-_SMEM_LIMIT = 227 * 1024  # H100 opt-in shared memory per block
-
-
-def _cfg_tuple(c: triton.Config) -> tuple[int, int, int, int]:
-    return c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages
-
-
-def _prune_configs(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
-    """Keep the configs meant for this dtype that fit in shared memory.
-
-    Shared memory = Q tile + num_stages buffers of the K and V tiles (matches what
-    triton 3.6 allocates on sm_90 for this kernel). For very short queries only
-    BLOCK_M <= 64 is kept. Anything that still fails to compile is scored +inf by
-    the autotuner rather than raising.
-    """
-    if len(configs) <= 1:
-        return configs
-    args = {**named_args, **kwargs}
-    elt = args["Q"].element_size()
-    bd = args["BLOCK_D"]
-    short_q = args["Q_BUCKET"] <= 64
-    wanted = set(_FP32_CONFIGS if elt == 4 else _HALF_CONFIGS)
-    keep = []
-    for c in configs:
-        bm, bn, w, st = _cfg_tuple(c)
-        if (bm, bn, w, st) not in wanted:
-            continue
-        if elt * (bm * bd + st * 2 * bn * bd) > _SMEM_LIMIT:
-            continue
-        if short_q and bm > 64:
-            continue
-        keep.append(c)
-    if not keep:  # always leave something runnable: the smallest footprint
-        keep = [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] * c.num_stages)]
-    return keep
-
-
-_attn_fwd_tuned = triton.autotune(
-    configs=_configs(),
-    key=["HEAD_DIM", "CAUSAL", "IS_VARLEN", "Q_BUCKET", "K_BUCKET"],
-    prune_configs_by={"early_config_prune": _prune_configs},
-)(_attn_fwd_kernel)
-
-
-def _bucket(n: int) -> int:
-    """Coarse length bucket for the autotune key (few keys -> few autotuning runs)."""
-    for b in (64, 256, 1024, 4096):
-        if n <= b:
-            return b
-    return 16384
+def launch_config(head_dim: int, dtype: torch.dtype, num_heads_kv: int, max_seqlen_q: int,
+                  max_seqlen_k: int) -> dict:
+    """Kernel meta-parameters for one call: BLOCK_M, BLOCK_N, num_warps, num_stages, M_FASTEST."""
+    if _INTERPRET:  # one small config: the interpreter is slow and bf16-inexact anyway
+        return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=1, M_FASTEST=False)
+    if dtype == torch.float32:
+        cfg = _FP32 if head_dim <= 128 else _FP32_D256
+    elif head_dim > 128:
+        cfg = _D256
+    else:
+        cfg = _SHORT_Q if max_seqlen_q <= 4096 else _LONG_Q
+    kv_bytes = 2 * num_heads_kv * max_seqlen_k * head_dim * torch.finfo(dtype).bits // 8
+    bm, bn, warps, stages = cfg
+    return dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages,
+                M_FASTEST=kv_bytes > _L2_KV_BYTES)
 
 
 # --------------------------------------------------------------------------- #
@@ -386,9 +380,10 @@ def flash_attention_fwd(
     cu_seqlens_k: torch.Tensor | None = None,
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
+    accumulate: tuple[torch.Tensor, torch.Tensor] | None = None,
     _config: dict | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention forward returning (O, LSE).
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Attention forward returning (O, LSE), or merging them into a running state.
 
     Dense:  q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D]
             -> o [B, Sq, Hq, D] (q.dtype), lse [B, Hq, Sq] float32 (natural log).
@@ -403,8 +398,12 @@ def flash_attention_fwd(
     LSE = -inf. Hq must be a multiple of Hkv (GQA: head h reads KV head
     h // (Hq // Hkv)). fp16/bf16/fp32 inputs, fp32 accumulation.
 
-    ``_config`` (testing only): {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"}
-    bypasses the autotuner.
+    accumulate (dense only): (o_acc [B, Sq, Hq, D] float32, lse_acc [B, Sq, Hq] float32), a
+    running state as `longctx.merge.merge_into` keeps it; the result is merged into it in
+    place and nothing is returned (no partial O is written: a ring step's fused merge).
+
+    ``_config`` (testing and tuning): {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages",
+    "M_FASTEST"} instead of `launch_config`'s choice.
     """
     # Inputs are validated by longctx.attention (shapes, dtypes, devices, GQA, head_dim, and a
     # unit head_dim stride); only what the kernel itself relies on is asserted here.
@@ -412,6 +411,8 @@ def flash_attention_fwd(
     if any(t.stride(-1) != 1 for t in (q, k, v)):
         raise ValueError("q, k, v need unit stride in head_dim (the tiles move by TMA)")
     if is_varlen:
+        if accumulate is not None:
+            raise ValueError("accumulate is for dense inputs only")
         if max_seqlen_q is None or max_seqlen_k is None:
             raise ValueError("varlen needs max_seqlen_q and max_seqlen_k (sizes the grid)")
         batch = cu_seqlens_q.numel() - 1
@@ -424,7 +425,7 @@ def flash_attention_fwd(
         o = torch.empty((total_q, hq, d), dtype=q.dtype, device=q.device)
         lse = torch.empty((hq, total_q), dtype=torch.float32, device=q.device)
         so_b, so_s, so_h = 0, o.stride(0), o.stride(1)
-        sl_b, sl_h = 0, lse.stride(0)
+        sl_b, sl_h, sl_s = 0, lse.stride(0), 1
         seqlen_q_dense, seqlen_k_dense = 0, 0
         cu_q, cu_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
     else:
@@ -434,14 +435,20 @@ def flash_attention_fwd(
         sq_b, sq_s, sq_h, _ = q.stride()
         sk_b, sk_s, sk_h, _ = k.stride()
         sv_b, sv_s, sv_h, _ = v.stride()
-        o = torch.empty((batch, sq, hq, d), dtype=q.dtype, device=q.device)
-        lse = torch.empty((batch, hq, sq), dtype=torch.float32, device=q.device)
+        if accumulate is None:
+            o = torch.empty((batch, sq, hq, d), dtype=q.dtype, device=q.device)
+            lse = torch.empty((batch, hq, sq), dtype=torch.float32, device=q.device)
+            sl_b, sl_h, sl_s = lse.stride(0), lse.stride(1), 1
+        else:
+            o, lse = _check_accumulator(accumulate, q)
+            sl_b, sl_s, sl_h = lse.stride()
         so_b, so_s, so_h, _ = o.stride()
-        sl_b, sl_h = lse.stride(0), lse.stride(1)
         seqlen_q_dense, seqlen_k_dense = sq, sk
         cu_q = cu_k = q  # dummies, never dereferenced (IS_VARLEN=False)
 
-    if batch == 0 or o.numel() == 0 or max_seqlen_q == 0:
+    if batch == 0 or q.numel() == 0 or max_seqlen_q == 0 or (accumulate is not None and sk == 0):
+        if accumulate is not None:
+            return None  # merging an empty state changes nothing
         lse.fill_(float("-inf"))
         o.zero_()
         return o, lse
@@ -452,37 +459,41 @@ def flash_attention_fwd(
     block_d = max(triton.next_power_of_2(d), 16)
     # fp32: true fp32 FMA dots (~1e-6 error) instead of TF32; ignored for fp16/bf16.
     input_precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    args = (
+    cfg = dict(_config) if _config is not None else launch_config(
+        d, q.dtype, hkv, max_seqlen_q, max_seqlen_k)
+    num_warps, num_stages = cfg.pop("num_warps", 4), cfg.pop("num_stages", 1)
+    grid = (batch * hq * triton.cdiv(max_seqlen_q, cfg["BLOCK_M"]),)
+    if q.is_cuda:
+        _set_allocator()  # tensor descriptors made on the device need a little global scratch
+    _attn_fwd_kernel[grid](
         q, k, v, o, lse, qs_arg, ks_arg, cu_q, cu_k,
         sq_b, sq_s, sq_h,
         sk_b, sk_s, sk_h,
         sv_b, sv_s, sv_h,
         so_b, so_s, so_h,
-        sl_b, sl_h,
-        seqlen_q_dense, seqlen_k_dense,
+        sl_b, sl_h, sl_s,
+        seqlen_q_dense, seqlen_k_dense, max_seqlen_q,
         hq, hq // hkv,
         float(softmax_scale) * _LOG2E,
-        _bucket(max_seqlen_q), _bucket(max_seqlen_k),
-    )
-    meta = dict(
         HEAD_DIM=d, BLOCK_D=block_d, CAUSAL=bool(causal), IS_VARLEN=is_varlen,
         Q_START_IS_TENSOR=qs_is_t, K_START_IS_TENSOR=ks_is_t,
-        INPUT_PRECISION=input_precision, INTERPRET=_INTERPRET,
+        INPUT_PRECISION=input_precision, INTERPRET=_INTERPRET, ACCUMULATE=accumulate is not None,
+        **cfg, num_warps=num_warps, num_stages=num_stages,
     )
+    return None if accumulate is not None else (o, lse)
 
-    min_bm = _config["BLOCK_M"] if _config is not None else (32 if q.dtype == torch.float32 else 64)
-    if triton.cdiv(max_seqlen_q, min_bm) > 65535:  # CUDA grid axis-1 limit
-        raise ValueError(f"max_seqlen_q={max_seqlen_q} too long (> {65535 * min_bm} rows per sequence)")
 
-    def grid(m: dict) -> tuple[int, int]:
-        return (batch * hq, triton.cdiv(max_seqlen_q, m["BLOCK_M"]))
-
-    if q.is_cuda:
-        _set_allocator()  # tensor descriptors made on the device need a little global scratch
-    if _config is not None:
-        cfg = dict(_config)
-        nw, ns = cfg.pop("num_warps", 4), cfg.pop("num_stages", 1)
-        _attn_fwd_kernel[grid](*args, **meta, **cfg, num_warps=nw, num_stages=ns)
-    else:
-        _attn_fwd_tuned[grid](*args, **meta)
-    return o, lse
+def _check_accumulator(accumulate: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The running state the kernel merges into: float32, q's shape (lse without head_dim)."""
+    o_acc, lse_acc = accumulate
+    if o_acc.dtype != torch.float32 or lse_acc.dtype != torch.float32:
+        raise ValueError(f"accumulate must be float32 (o_acc, lse_acc), got {o_acc.dtype}, {lse_acc.dtype}")
+    if o_acc.shape != q.shape or lse_acc.shape != q.shape[:-1]:
+        raise ValueError(f"accumulate shapes {tuple(o_acc.shape)}, {tuple(lse_acc.shape)} must be "
+                         f"q's {tuple(q.shape)} and {tuple(q.shape[:-1])}")
+    if o_acc.device != q.device or lse_acc.device != q.device:
+        raise ValueError(f"accumulate must be on {q.device}")
+    if o_acc.stride(-1) != 1:
+        raise ValueError("accumulate's o_acc needs unit stride in head_dim")
+    return o_acc, lse_acc

@@ -135,7 +135,7 @@ def report(s: dict) -> None:
         f"sp={s['sp']}) | batch {s['batch']}, prompt {s['prompt_len']}, "
         f"{s['decode_steps']} decode steps, CUDA graphs {'on' if s['cuda_graphs'] else 'off'}\n"
         f"prefill     {s['prefill_s']:.3f} s, {s['prefill_tokens_per_s']:,.0f} tokens/s"
-        f"{'' if s['device'].startswith('CPU') else ' (first call: includes compiling and autotuning the Triton kernels)'}\n"
+        f"{'' if s['device'].startswith('CPU') else ' (first call: includes compiling the Triton kernels)'}\n"
         f"decode      {s['decode_tokens_per_s']:,.1f} tokens/s, ms/token p50 "
         f"{s['ms_per_token_p50']:.3f}, p90 {s['ms_per_token_p90']:.3f}\n"
         f"bytes/step  {_si(moved['total'], 'B')} over all devices (weights "

@@ -6,6 +6,7 @@ import torch
 
 from longctx.backend import use_triton_for
 from longctx.checks import check_attention_inputs, check_offset
+from longctx.merge import merge_into
 from longctx.reference import reference_attention
 
 
@@ -99,6 +100,49 @@ def attention(
         o, lse = reference_attention(q, k, v, causal=causal, softmax_scale=scale,
                                      q_start=q_start, k_start=k_start)
     return (o, lse) if return_lse else o
+
+
+def attention_merge_into(
+    o_acc: torch.Tensor,
+    lse_acc: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    q_start: int | torch.Tensor = 0,
+    k_start: int | torch.Tensor = 0,
+) -> None:
+    """In place: (o_acc, lse_acc) <- merge((o_acc, lse_acc), attention(q, k, v, ...)).
+
+    A ring step's partial attention folded into the running state, i.e. `attention(...,
+    return_lse=True)` followed by `longctx.merge.merge_into`, without writing the partial.
+
+    Args:
+        o_acc: [B, Sq, Hq, D] float32 running output (start at zeros).
+        lse_acc: [B, Sq, Hq] float32 running LSE (start at -inf: the empty state).
+        q, k, v, causal, softmax_scale, q_start, k_start: as in `attention` (dense layout).
+
+    Backend: CUDA tensors run the Triton kernel with the merge in its epilogue (the merge
+    layer's rule, kernels/merge.py); CPU tensors run `attention` and then `merge_into`.
+    """
+    check_attention_inputs(q, k, v, softmax_scale)
+    check_offset(q_start, "q_start", q.shape[0], q.device)
+    check_offset(k_start, "k_start", q.shape[0], q.device)
+    if o_acc.shape != q.shape or lse_acc.shape != q.shape[:-1]:
+        raise ValueError(f"o_acc {tuple(o_acc.shape)} and lse_acc {tuple(lse_acc.shape)} must be "
+                         f"shaped like q {tuple(q.shape)} and q without head_dim")
+    if use_triton_for(q):
+        from longctx.kernels.prefill import flash_attention_fwd
+
+        scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+        flash_attention_fwd(q, k, v, softmax_scale=scale, causal=causal, q_start=q_start,
+                            k_start=k_start, accumulate=(o_acc, lse_acc))
+        return
+    o, lse = attention(q, k, v, causal=causal, softmax_scale=softmax_scale, q_start=q_start,
+                       k_start=k_start, return_lse=True)
+    merge_into(o_acc, lse_acc, o, lse.transpose(1, 2), check=False)
 
 
 def _reference_varlen(q, k, v, cu_q, cu_k, causal, scale, q_start, k_start):

@@ -9,8 +9,9 @@ The sequence is sharded over the W ranks of a process group in one of two layout
 At step t rank r holds the K/V shard of rank (r - t) mod W. It computes the partial state
 (O, LSE) of its queries against that shard with `longctx.attention` at the chunks' absolute
 positions, skips chunk pairs that the causal mask hides entirely, and folds the result into a
-float32 accumulator with `merge_into`. Meanwhile the shard is already on its way to rank r+1 and
-the next one is arriving from rank r-1 (double buffering), so communication overlaps compute.
+float32 accumulator (`attention_merge_into`: on CUDA the attention kernel merges in its
+epilogue, by merge_into's rule). Meanwhile the shard is already on its way to rank r+1 and the
+next one is arriving from rank r-1 (double buffering), so communication overlaps compute.
 
     >>> q_loc = shard_sequence(q, group, "zigzag")          # [B, S/W, Hq, D]
     >>> o_loc = ring_attention(q_loc, k_loc, v_loc, group=group, causal=True)
@@ -25,9 +26,8 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from longctx.attention import attention
+from longctx.attention import attention, attention_merge_into
 from longctx.checks import check_attention_inputs
-from longctx.merge import merge_into
 from longctx.parallel.process_group import all_gather_ints, global_rank, rank_and_world
 
 __all__ = ["LAYOUTS", "ring_attention", "shard_sequence", "unshard_sequence", "shard_chunks"]
@@ -313,14 +313,11 @@ def ring_attention(
         works = p2p.start(kv, bufs[t % 2]) if t + 1 < world else None
         kt, vt = kv
         for b in blocks:
-            o, lse = attention(
+            attention_merge_into(
+                o_acc[:, b.q0:b.q1], lse_acc[:, b.q0:b.q1],
                 q[:, b.q0:b.q1], kt[:, b.k0:b.k1], vt[:, b.k0:b.k1], causal=b.masked,
                 softmax_scale=softmax_scale, q_start=b.q_start, k_start=b.k_start,
-                return_lse=True,
             )
-            # merge_into indexes lse like o without head_dim: [B, S, H].
-            merge_into(o_acc[:, b.q0:b.q1], lse_acc[:, b.q0:b.q1], o, lse.transpose(1, 2),
-                       check=False)
         if works is not None:
             p2p.finish(works)
             kv = bufs[t % 2]

@@ -13,7 +13,8 @@ import torch
 
 import longctx
 from longctx.backend import force_triton
-from longctx.kernels.prefill import _HALF_CONFIGS, _SMEM_LIMIT, flash_attention_fwd
+import longctx.kernels.prefill as P
+from longctx.kernels.prefill import LAUNCH_CONFIGS, flash_attention_fwd, launch_config
 from longctx.reference import reference_attention
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -182,21 +183,49 @@ def test_block_configs(config: dict) -> None:
     run_dense(1, 45, 45, 2, 1, 64, torch.float32, False, 0, 0, config=config)
 
 
+@pytest.mark.parametrize("m_fastest", [False, True])
+def test_grid_orders(m_fastest: bool) -> None:
+    """Both program orders (heads fastest / query tiles fastest) cover every tile exactly once:
+    several heads, two sequences, a ragged last query tile."""
+    torch.manual_seed(12)
+    cfg = {"BLOCK_M": 32, "BLOCK_N": 32, "M_FASTEST": m_fastest}
+    run_dense(2, 100, 90, 6, 2, 64, torch.float32, True, 10, 0, config=cfg)
+
+
+def test_launch_config_table() -> None:
+    """The table's rules (kernels/prefill.py): grid order by the K/V bytes of one sequence."""
+    if P._INTERPRET:
+        assert launch_config(128, torch.bfloat16, 2, 16384, 16384)["BLOCK_M"] == 64
+        return
+    small = launch_config(128, torch.bfloat16, 2, 16384, 16384)  # 16 MiB of K/V
+    big = launch_config(128, torch.bfloat16, 32, 4096, 4096)     # 64 MiB of K/V
+    assert not small["M_FASTEST"] and big["M_FASTEST"]
+    assert (small["BLOCK_M"], big["BLOCK_M"]) == (128, 64)
+
+
+# Every config the launch table can choose, with the dtypes and head dims it chooses it for.
+TABLE = [(P._SHORT_Q, "half", (64, 128)), (P._LONG_Q, "half", (64, 128)), (P._D256, "half", (256,)),
+         (P._FP32, "fp32", (64, 128)), (P._FP32_D256, "fp32", (256,))]
+assert {c for c, _, _ in TABLE} == set(LAUNCH_CONFIGS)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("cfg", _HALF_CONFIGS, ids=lambda c: "x".join(map(str, c)))
-def test_every_autotune_config(cfg: tuple[int, int, int, int], d: int) -> None:
-    """The autotuner may pick any of these (which one depends on timing, e.g. under NCCL
-    traffic during a ring): each must be exact, not only the one a benchmark happened to pick."""
+@pytest.mark.parametrize("m_fastest", [False, True])
+@pytest.mark.parametrize("cfg,kind,dims", TABLE, ids=lambda c: "x".join(map(str, c)) if isinstance(c, tuple) and len(c) == 4 else None)
+def test_every_launch_config(cfg: tuple[int, int, int, int], kind: str, dims: tuple[int, ...],
+                             m_fastest: bool) -> None:
+    """Every config the launch table can choose, in both grid orders, is exact (not only the
+    ones the benchmark's shapes happen to pick)."""
     bm, bn, warps, stages = cfg
-    if 2 * (bm * d + stages * 2 * bn * d) > _SMEM_LIMIT:
-        pytest.skip("does not fit in shared memory (pruned by the autotuner)")
-    config = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
+    config = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages,
+              "M_FASTEST": m_fastest}
     torch.manual_seed(5)
-    # causal with a query offset and ragged tails; non-causal rectangular; square causal
-    run_dense(2, 300, 1000, 4, 2, d, torch.bfloat16, True, 700, 0, config=config)
-    run_dense(1, 257, 383, 3, 1, d, torch.bfloat16, False, 0, 0, config=config)
-    run_dense(1, 384, 384, 2, 2, d, torch.float16, True, 0, 0, config=config)
+    for d in dims:
+        for dtype in (HALF if kind == "half" else [torch.float32]):
+            # causal with a query offset and ragged tails; non-causal rectangular; square causal
+            run_dense(2, 300, 1000, 4, 2, d, dtype, True, 700, 0, config=config)
+            run_dense(1, 257, 383, 3, 1, d, dtype, False, 0, 0, config=config)
+            run_dense(1, 384, 384, 2, 2, d, dtype, True, 0, 0, config=config)
 
 
 def test_noncontiguous_inputs() -> None:
@@ -312,6 +341,58 @@ def test_merge_with_empty_rows() -> None:
     assert empty.any() and torch.equal(torch.isneginf(lse), empty)
     assert (o - full_o.double()).abs().max() < FP32_TOL
     assert (lse[~empty] - full_lse.double()[~empty]).abs().max() < FP32_TOL
+
+
+@pytest.mark.parametrize("dtype", [torch.float32] + HALF)
+@pytest.mark.parametrize("causal", [True, False])
+def test_accumulate_chunks(causal: bool, dtype: torch.dtype) -> None:
+    """The kernel's fused merge (accumulate=): K/V in 4 uneven chunks (one entirely in the
+    queries' future, so some rows stay empty) folded into one running state equals attention
+    over the whole K/V; GQA group 3, two sequences with per-sequence offsets."""
+    torch.manual_seed(60)
+    b, sq, sk, hq, hkv, d = 2, 70, 150, 3, 1, 64
+    q, k, v = rand(b, sq, hq, d, dtype=dtype), rand(b, sk, hkv, d, dtype=dtype), rand(b, sk, hkv, d, dtype=dtype)
+    q_start = ints([40, 5], torch.int64)  # sequence 1: rows 0..24 see nothing of keys >= 30
+    kw = dict(softmax_scale=d ** -0.5, causal=causal, q_start=q_start)
+    o_acc = torch.zeros(b, sq, hq, d, dtype=torch.float32, device=DEV)
+    lse_acc = torch.full((b, sq, hq), float("-inf"), dtype=torch.float32, device=DEV)
+    for a, e in [(0, 30), (30, 31), (31, 120), (120, 150)]:
+        out = flash_attention_fwd(q, k[:, a:e], v[:, a:e], k_start=a, accumulate=(o_acc, lse_acc), **kw)
+        assert out is None
+    for i in range(b):
+        o_ref, lse_ref = ref_seq(q[i], k[i], v[i], d ** -0.5, causal, int(q_start[i]), 0)
+        lse_i = lse_acc[i].transpose(0, 1)  # [Hq, Sq] like the reference
+        empty = torch.isneginf(lse_ref)
+        assert torch.equal(torch.isneginf(lse_i.cpu()), empty)
+        assert (o_acc[i].cpu()[empty.transpose(0, 1)] == 0).all()
+        oh = torch_half_seq(q[i], k[i], v[i], d ** -0.5, causal, int(q_start[i]), 0) \
+            if dtype != torch.float32 else None
+        check(o_acc[i], lse_i, o_ref, lse_ref, torch.float32 if oh is None else dtype, oh)
+
+
+def test_accumulate_public_api_and_checks() -> None:
+    """longctx.attention_merge_into on the kernel path equals attention + merge_into; bad
+    accumulators raise ValueError naming them."""
+    torch.manual_seed(61)
+    q, k, v = rand(1, 33, 4, 64), rand(1, 40, 2, 64), rand(1, 40, 2, 64)
+    o1 = torch.zeros(1, 33, 4, 64, device=DEV)
+    l1 = torch.full((1, 33, 4), float("-inf"), device=DEV)
+    o2, l2 = o1.clone(), l1.clone()
+    with force_triton():
+        for a, e in [(0, 17), (17, 40)]:
+            longctx.attention_merge_into(o1, l1, q, k[:, a:e], v[:, a:e], causal=True,
+                                         q_start=7, k_start=a)
+            o, lse = longctx.attention(q, k[:, a:e], v[:, a:e], causal=True, q_start=7,
+                                       k_start=a, return_lse=True)
+            longctx.merge_into(o2, l2, o, lse.transpose(1, 2))
+    assert (o1 - o2).abs().max() < FP32_TOL and (l1 - l2).abs().max() < FP32_TOL
+    kw = dict(softmax_scale=0.125, causal=False, q_start=0, k_start=0)
+    with pytest.raises(ValueError, match="accumulate"):
+        flash_attention_fwd(q, k, v, accumulate=(o1.half(), l1), **kw)
+    with pytest.raises(ValueError, match="accumulate"):
+        flash_attention_fwd(q, k, v, accumulate=(o1[:, :5], l1[:, :5]), **kw)
+    with pytest.raises(ValueError, match="o_acc"):
+        longctx.attention_merge_into(o1[:, :5], l1, q, k, v)
 
 
 @pytest.mark.parametrize("sq,sk,q_start,k_start", [(40, 128, 0, 0), (16, 128, 20, 0), (30, 120, 100, 64)])
