@@ -1,20 +1,20 @@
 """Ring attention on GPUs is deterministic: the same bits as its blocks run on one device.
 
-- One GPU: the ring's per-step sequence (prefill attention -> merge_into, many launches, partial
-  outputs freed and their memory reused at once) gives the same bits as the same sequence with
-  a device synchronisation after every attention call.
+- One GPU: the ring's per-step sequence (attention kernels merging into the float32 state in
+  their epilogue, many launches back to back) gives the same bits as the same sequence with a
+  device synchronisation after every call.
 - Several GPUs (NCCL): ring_attention, called repeatedly, with each step's transfer overlapping
   the previous step's compute, gives the same bits as its blocks run on one device.
 
-Both once failed: merge_into's in-place update raced between the warps of a program when
-something else (the next kernel's early-launched programs, NCCL's kernels) shared the SMs; see
-kernels/merge.py and tests/test_merge_gpu.py."""
+Both once failed (when the ring ran attention, then merge_into): merge_into's in-place update
+raced between the warps of a program when something else (the next kernel's early-launched
+programs, NCCL's kernels) shared the SMs; see kernels/merge.py and tests/test_merge_gpu.py. The
+attention kernel's fused merge has the same hazard and the same barrier."""
 
 import pytest
 import torch
 
 import longctx
-from longctx.merge import merge_into
 from longctx.parallel.ring import _step_blocks, ring_attention, shard_chunks, shard_sequence
 from tests.dist_utils import run_distributed
 
@@ -37,13 +37,11 @@ def _ring_sequence(q, k, v, world: int, rank: int, sync: bool) -> tuple[torch.Te
         src = (rank - t) % world
         kl, vl = shard(k, src), shard(v, src)
         for b in _step_blocks(mine, shard_chunks(S, world, src, "zigzag"), True):
-            o, lse = longctx.attention(ql[:, b.q0:b.q1], kl[:, b.k0:b.k1], vl[:, b.k0:b.k1],
-                                       causal=b.masked, q_start=b.q_start, k_start=b.k_start,
-                                       return_lse=True)
+            longctx.attention_merge_into(
+                o_acc[:, b.q0:b.q1], lse_acc[:, b.q0:b.q1], ql[:, b.q0:b.q1], kl[:, b.k0:b.k1],
+                vl[:, b.k0:b.k1], causal=b.masked, q_start=b.q_start, k_start=b.k_start)
             if sync:
                 torch.cuda.synchronize()
-            merge_into(o_acc[:, b.q0:b.q1], lse_acc[:, b.q0:b.q1], o, lse.transpose(1, 2),
-                       check=False)
     torch.cuda.synchronize()
     return o_acc, lse_acc
 
