@@ -31,7 +31,9 @@ TIMING = dict(warmup_ms=20, rep_ms=60)
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", nargs="+", default=SHAPES, help="Hq/Hkv/N/causal")
-    ap.add_argument("--configs", nargs="+", default=CONFIGS, help="BLOCK_M,BLOCK_N,warps,stages")
+    ap.add_argument("--configs", nargs="+", default=CONFIGS,
+                    help="BLOCK_M,BLOCK_N,warps,stages[,maxnreg] (maxnreg caps registers per thread, "
+                         "e.g. 128 lets two 8-warp programs share an SM)")
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--json", default=None, help="write every timing here")
     args = ap.parse_args()
@@ -60,10 +62,12 @@ def main() -> None:
         row["table_config"] = (f"{table['BLOCK_M']},{table['BLOCK_N']},{table['num_warps']},"
                                  f"{table['num_stages']}{',m' if table['M_FASTEST'] else ''}")
         for c in args.configs:
-            bm, bn, w, st = (int(x) for x in c.split(","))
+            bm, bn, w, st, *reg = (int(x) for x in c.split(","))
             for m_fast in (False, True):
                 name = f"{c}{',m' if m_fast else ''}"
                 cfg = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st, M_FASTEST=m_fast)
+                if reg:
+                    cfg["maxnreg"] = reg[0]
                 try:
                     row["configs"][name] = flops / run(cfg) / 1e9
                 except Exception as e:  # a variant that does not compile or fit is listed as such
