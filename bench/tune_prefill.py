@@ -23,8 +23,8 @@ from bench import bench_ms  # noqa: E402
 from longctx.kernels.prefill import flash_attention_fwd, launch_config  # noqa: E402
 
 SHAPES = [f"{h}/{n}/{c}" for h in ("16/2", "32/32") for n in (4096, 16384, 65536) for c in (1, 0)]
-CONFIGS = ["128,64,8,3", "128,128,8,2", "128,128,8,3", "128,64,8,4", "64,64,4,3", "64,64,4,4",
-           "64,128,4,2", "128,64,4,3", "256,64,8,2"]
+CONFIGS = ["128,64,8,2,128", "128,64,8,2", "128,128,8,3", "128,64,8,3", "64,64,4,3",
+           "128,32,8,3,128", "128,128,8,2,168"]
 TIMING = dict(warmup_ms=20, rep_ms=60)
 
 
@@ -58,9 +58,10 @@ def main() -> None:
                                                         _config=cfg), **TIMING)
 
         row["table"] = flops / run(None) / 1e9
-        table = launch_config(d, torch.bfloat16, hkv, n, n)
-        row["table_config"] = (f"{table['BLOCK_M']},{table['BLOCK_N']},{table['num_warps']},"
-                                 f"{table['num_stages']}{',m' if table['M_FASTEST'] else ''}")
+        table = launch_config(d, torch.bfloat16, n, n)
+        row["table_config"] = ",".join(str(table[k]) for k in ("BLOCK_M", "BLOCK_N", "num_warps",
+                                                                  "num_stages", "maxnreg") if k in table)
+        row["table_config"] += ",m" if table["M_FASTEST"] else ""
         for c in args.configs:
             bm, bn, w, st, *reg = (int(x) for x in c.split(","))
             for m_fast in (False, True):

@@ -302,42 +302,49 @@ def _attn_fwd_kernel(
 # length buckets, so the first shape timed chose the config for every other shape of its bucket
 # (32/32 heads at 65536 ran a 16/2-at-16384 pick at 407 TFLOPS instead of 502), and in a ring
 # it timed its candidates on the first call while NCCL shared the GPU. The table is what
-# `python bench/tune_prefill.py` measured on an H100 (bf16, D=128, all 12 benchmark shapes,
-# `bench/results/tune-prefill-h100.json`):
-#   * up to 4096 query rows, 64x64 tiles, 4 warps, 3 stages: best or within 1% at every
-#     4096-row shape (two such programs share an SM; more programs balance the waves);
-#   * longer, 128x128 tiles, 8 warps, 3 stages: best or within 3% at every longer shape.
-# Grid order: when one sequence's K/V (all its KV heads) exceed _L2_KV_BYTES, the query tiles
-# of one head run side by side (M_FASTEST) so the resident programs stream the same K/V through
-# the L2; otherwise the heads of one query tile do (heads-fastest was 4-14% faster at 4-16 MiB of
-# K/V, query-tiles-fastest 6-25% faster at 64 MiB and more).
-# (BLOCK_M, BLOCK_N, num_warps, num_stages).
-_SHORT_Q = (64, 64, 4, 3)
-_LONG_Q = (128, 128, 8, 3)   # 224 KiB of shared memory at D=128: Hopper's opt-in limit is 227
-_D256 = (128, 64, 8, 2)
+# `python bench/tune_prefill.py` measured on an H100 (bf16, D=128; bench/results/tune-prefill-
+# h100*.{txt,json}):
+#   * half precision, D <= 128: 128x64 tiles, 8 warps, 2 stages, at most 128 registers per
+#     thread, so that two programs (16 warps, 2 x 96 KiB of shared memory) share an SM and one's
+#     softmax overlaps the other's tensor-core work. Best of 14 variants at every shape swept
+#     (4096-65536 rows, 16/2 and 32/32 heads, causal or not); without the register cap the same
+#     tiles run one program per SM and lose 20-30%.
+#   * grid order: the query tiles of one head side by side (M_FASTEST) once a KV head's K/V
+#     exceed _L2_KV_HEAD_BYTES, else the heads of one query tile. Measured with that config:
+#     query tiles first at 65536 keys (32 MiB per KV head) 515 vs 373 TFLOPS; heads first at
+#     4096-16384 keys level or faster (16/2 4096 causal: 462 vs 325).
+#   * at most 64 query rows (chunked-prefill tails, ring steps of few tokens): 64-row tiles,
+#     so a 128-row tile does not compute mostly padding (a choice, not a measurement).
+# (BLOCK_M, BLOCK_N, num_warps, num_stages, maxnreg or None).
+_HALF = (128, 64, 8, 2, 128)
+_HALF_SHORT_Q = (64, 64, 4, 3, None)
+_D256 = (128, 64, 8, 2, None)
 # fp32 ("ieee" dots on FMA units, no tensor cores) is a correctness path: small tiles avoid spills.
-_FP32 = (32, 32, 4, 2)
-_FP32_D256 = (32, 16, 4, 2)
-_L2_KV_BYTES = 32 << 20
+_FP32 = (32, 32, 4, 2, None)
+_FP32_D256 = (32, 16, 4, 2, None)
+_L2_KV_HEAD_BYTES = 16 << 20
 # Every config the table can choose (the GPU tests run each one).
-LAUNCH_CONFIGS = (_SHORT_Q, _LONG_Q, _D256, _FP32, _FP32_D256)
+LAUNCH_CONFIGS = (_HALF, _HALF_SHORT_Q, _D256, _FP32, _FP32_D256)
 
 
-def launch_config(head_dim: int, dtype: torch.dtype, num_heads_kv: int, max_seqlen_q: int,
-                  max_seqlen_k: int) -> dict:
-    """Kernel meta-parameters for one call: BLOCK_M, BLOCK_N, num_warps, num_stages, M_FASTEST."""
+def launch_config(head_dim: int, dtype: torch.dtype, max_seqlen_q: int, max_seqlen_k: int) -> dict:
+    """Kernel meta-parameters for one call: BLOCK_M, BLOCK_N, num_warps, num_stages, M_FASTEST
+    and, where the table caps registers, maxnreg."""
     if _INTERPRET:  # one small config: the interpreter is slow and bf16-inexact anyway
         return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=1, M_FASTEST=False)
     if dtype == torch.float32:
         cfg = _FP32 if head_dim <= 128 else _FP32_D256
-    elif head_dim > 128:
-        cfg = _D256
     else:
-        cfg = _SHORT_Q if max_seqlen_q <= 4096 else _LONG_Q
-    kv_bytes = 2 * num_heads_kv * max_seqlen_k * head_dim * torch.finfo(dtype).bits // 8
-    bm, bn, warps, stages = cfg
-    return dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages,
-                M_FASTEST=kv_bytes > _L2_KV_BYTES)
+        cfg = _D256 if head_dim > 128 else _HALF_SHORT_Q if max_seqlen_q <= 64 else _HALF
+    return _config_dict(cfg, 2 * max_seqlen_k * head_dim * dtype.itemsize > _L2_KV_HEAD_BYTES)
+
+
+def _config_dict(cfg: tuple, m_fastest: bool) -> dict:
+    bm, bn, warps, stages, maxnreg = cfg
+    out = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, M_FASTEST=m_fastest)
+    if maxnreg is not None:
+        out["maxnreg"] = maxnreg
+    return out
 
 
 # --------------------------------------------------------------------------- #
@@ -403,7 +410,7 @@ def flash_attention_fwd(
     place and nothing is returned (no partial O is written: a ring step's fused merge).
 
     ``_config`` (testing and tuning): {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages",
-    "M_FASTEST"} instead of `launch_config`'s choice.
+    "M_FASTEST"[, "maxnreg"]} instead of `launch_config`'s choice.
     """
     # Inputs are validated by longctx.attention (shapes, dtypes, devices, GQA, head_dim, and a
     # unit head_dim stride); only what the kernel itself relies on is asserted here.
@@ -459,8 +466,7 @@ def flash_attention_fwd(
     block_d = max(triton.next_power_of_2(d), 16)
     # fp32: true fp32 FMA dots (~1e-6 error) instead of TF32; ignored for fp16/bf16.
     input_precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    cfg = dict(_config) if _config is not None else launch_config(
-        d, q.dtype, hkv, max_seqlen_q, max_seqlen_k)
+    cfg = dict(_config) if _config is not None else launch_config(d, q.dtype, max_seqlen_q, max_seqlen_k)
     num_warps, num_stages = cfg.pop("num_warps", 4), cfg.pop("num_stages", 1)
     grid = (batch * hq * triton.cdiv(max_seqlen_q, cfg["BLOCK_M"]),)
     if q.is_cuda:

@@ -193,32 +193,29 @@ def test_grid_orders(m_fastest: bool) -> None:
 
 
 def test_launch_config_table() -> None:
-    """The table's rules (kernels/prefill.py): grid order by the K/V bytes of one sequence."""
+    """The table's grid-order rule (kernels/prefill.py): by the K/V bytes of one KV head."""
     if P._INTERPRET:
-        assert launch_config(128, torch.bfloat16, 2, 16384, 16384)["BLOCK_M"] == 64
+        assert launch_config(128, torch.bfloat16, 4096, 65536)["BLOCK_M"] == 64
         return
-    small = launch_config(128, torch.bfloat16, 2, 16384, 16384)  # 16 MiB of K/V
-    big = launch_config(128, torch.bfloat16, 32, 4096, 4096)     # 64 MiB of K/V
-    assert not small["M_FASTEST"] and big["M_FASTEST"]
-    assert (small["BLOCK_M"], big["BLOCK_M"]) == (128, 64)
+    assert not launch_config(128, torch.bfloat16, 16384, 16384)["M_FASTEST"]  # 8 MiB per KV head
+    assert launch_config(128, torch.bfloat16, 16384, 65536)["M_FASTEST"]      # 32 MiB per KV head
+    assert launch_config(128, torch.float16, 4096, 4096)["maxnreg"] == 128
+    assert launch_config(128, torch.float16, 64, 4096)["BLOCK_M"] == 64
 
 
 # Every config the launch table can choose, with the dtypes and head dims it chooses it for.
-TABLE = [(P._SHORT_Q, "half", (64, 128)), (P._LONG_Q, "half", (64, 128)), (P._D256, "half", (256,)),
+TABLE = [(P._HALF, "half", (64, 128)), (P._HALF_SHORT_Q, "half", (64, 128)), (P._D256, "half", (256,)),
          (P._FP32, "fp32", (64, 128)), (P._FP32_D256, "fp32", (256,))]
 assert {c for c, _, _ in TABLE} == set(LAUNCH_CONFIGS)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m_fastest", [False, True])
-@pytest.mark.parametrize("cfg,kind,dims", TABLE, ids=lambda c: "x".join(map(str, c)) if isinstance(c, tuple) and len(c) == 4 else None)
-def test_every_launch_config(cfg: tuple[int, int, int, int], kind: str, dims: tuple[int, ...],
-                             m_fastest: bool) -> None:
+@pytest.mark.parametrize("cfg,kind,dims", TABLE, ids=[k + "-" + "/".join(map(str, d)) for _, k, d in TABLE])
+def test_every_launch_config(cfg: tuple, kind: str, dims: tuple[int, ...], m_fastest: bool) -> None:
     """Every config the launch table can choose, in both grid orders, is exact (not only the
     ones the benchmark's shapes happen to pick)."""
-    bm, bn, warps, stages = cfg
-    config = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages,
-              "M_FASTEST": m_fastest}
+    config = P._config_dict(cfg, m_fastest)
     torch.manual_seed(5)
     for d in dims:
         for dtype in (HALF if kind == "half" else [torch.float32]):
