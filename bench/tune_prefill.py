@@ -58,7 +58,7 @@ def main() -> None:
                                                         _config=cfg), **TIMING)
 
         row["table"] = flops / run(None) / 1e9
-        table = launch_config(d, torch.bfloat16, n, n)
+        table = launch_config(d, torch.bfloat16, causal, n, n)
         row["table_config"] = ",".join(str(table[k]) for k in ("BLOCK_M", "BLOCK_N", "num_warps",
                                                                   "num_stages", "maxnreg") if k in table)
         row["table_config"] += ",m" if table["M_FASTEST"] else ""

@@ -310,9 +310,11 @@ def _attn_fwd_kernel(
 #     (4096-65536 rows, 16/2 and 32/32 heads, causal or not); without the register cap the same
 #     tiles run one program per SM and lose 20-30%.
 #   * grid order: the query tiles of one head side by side (M_FASTEST) once a KV head's K/V
-#     exceed _L2_KV_HEAD_BYTES, else the heads of one query tile. Measured with that config:
-#     query tiles first at 65536 keys (32 MiB per KV head) 515 vs 373 TFLOPS; heads first at
-#     4096-16384 keys level or faster (16/2 4096 causal: 462 vs 325).
+#     exceed _L2_KV_HEAD_BYTES (a quarter of that without a causal mask), else the heads of one
+#     query tile. Measured with that config: query tiles first at 65536 keys (32 MiB per KV
+#     head) 515-525 vs 373-392 TFLOPS for 32/32 heads; at 16384 keys without a mask 522 vs 495
+#     (32/32) and 542 vs 530 (16/2); heads first with a causal mask at 16384 keys and at 4096
+#     keys level or faster (16/2 causal: 532 vs 481 at 16384, 467 vs 320 at 4096).
 #   * at most 64 query rows (chunked-prefill tails, ring steps of few tokens): 64-row tiles,
 #     so a 128-row tile does not compute mostly padding (a choice, not a measurement).
 # (BLOCK_M, BLOCK_N, num_warps, num_stages, maxnreg or None).
@@ -327,7 +329,8 @@ _L2_KV_HEAD_BYTES = 16 << 20
 LAUNCH_CONFIGS = (_HALF, _HALF_SHORT_Q, _D256, _FP32, _FP32_D256)
 
 
-def launch_config(head_dim: int, dtype: torch.dtype, max_seqlen_q: int, max_seqlen_k: int) -> dict:
+def launch_config(head_dim: int, dtype: torch.dtype, causal: bool, max_seqlen_q: int,
+                  max_seqlen_k: int) -> dict:
     """Kernel meta-parameters for one call: BLOCK_M, BLOCK_N, num_warps, num_stages, M_FASTEST
     and, where the table caps registers, maxnreg."""
     if _INTERPRET:  # one small config: the interpreter is slow and bf16-inexact anyway
@@ -336,7 +339,8 @@ def launch_config(head_dim: int, dtype: torch.dtype, max_seqlen_q: int, max_seql
         cfg = _FP32 if head_dim <= 128 else _FP32_D256
     else:
         cfg = _D256 if head_dim > 128 else _HALF_SHORT_Q if max_seqlen_q <= 64 else _HALF
-    return _config_dict(cfg, 2 * max_seqlen_k * head_dim * dtype.itemsize > _L2_KV_HEAD_BYTES)
+    kv_head_bytes = 2 * max_seqlen_k * head_dim * dtype.itemsize
+    return _config_dict(cfg, kv_head_bytes > (_L2_KV_HEAD_BYTES if causal else _L2_KV_HEAD_BYTES // 4))
 
 
 def _config_dict(cfg: tuple, m_fastest: bool) -> dict:
@@ -466,7 +470,8 @@ def flash_attention_fwd(
     block_d = max(triton.next_power_of_2(d), 16)
     # fp32: true fp32 FMA dots (~1e-6 error) instead of TF32; ignored for fp16/bf16.
     input_precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    cfg = dict(_config) if _config is not None else launch_config(d, q.dtype, max_seqlen_q, max_seqlen_k)
+    cfg = dict(_config) if _config is not None else launch_config(
+        d, q.dtype, bool(causal), max_seqlen_q, max_seqlen_k)
     num_warps, num_stages = cfg.pop("num_warps", 4), cfg.pop("num_stages", 1)
     grid = (batch * hq * triton.cdiv(max_seqlen_q, cfg["BLOCK_M"]),)
     if q.is_cuda:

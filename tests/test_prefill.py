@@ -193,14 +193,16 @@ def test_grid_orders(m_fastest: bool) -> None:
 
 
 def test_launch_config_table() -> None:
-    """The table's grid-order rule (kernels/prefill.py): by the K/V bytes of one KV head."""
+    """The table's rules (kernels/prefill.py): grid order by the K/V bytes of one KV head."""
     if P._INTERPRET:
-        assert launch_config(128, torch.bfloat16, 4096, 65536)["BLOCK_M"] == 64
+        assert launch_config(128, torch.bfloat16, True, 4096, 65536)["BLOCK_M"] == 64
         return
-    assert not launch_config(128, torch.bfloat16, 16384, 16384)["M_FASTEST"]  # 8 MiB per KV head
-    assert launch_config(128, torch.bfloat16, 16384, 65536)["M_FASTEST"]      # 32 MiB per KV head
-    assert launch_config(128, torch.float16, 4096, 4096)["maxnreg"] == 128
-    assert launch_config(128, torch.float16, 64, 4096)["BLOCK_M"] == 64
+    assert not launch_config(128, torch.bfloat16, True, 16384, 16384)["M_FASTEST"]  # 8 MiB per KV head
+    assert launch_config(128, torch.bfloat16, False, 16384, 16384)["M_FASTEST"]
+    assert not launch_config(128, torch.bfloat16, False, 4096, 4096)["M_FASTEST"]  # 2 MiB
+    assert launch_config(128, torch.bfloat16, True, 16384, 65536)["M_FASTEST"]     # 32 MiB
+    assert launch_config(128, torch.float16, True, 4096, 4096)["maxnreg"] == 128
+    assert launch_config(128, torch.float16, True, 64, 4096)["BLOCK_M"] == 64
 
 
 # Every config the launch table can choose, with the dtypes and head dims it chooses it for.
