@@ -13,11 +13,9 @@ __all__ = ["init_from_env", "rank_and_world", "global_rank", "all_gather_ints"]
 def init_from_env() -> torch.device:
     """Join the default process group described by torchrun's environment; return this rank's device.
 
-    CUDA: backend nccl, device cuda:LOCAL_RANK (made current), NCCL's internal streams at high
-    priority (LONGCTX_NCCL_HIGH_PRIORITY=0: normal) so that a transfer meant to overlap compute
-    gets SMs as soon as any frees up instead of after the compute kernel's queued programs.
-    CPU: backend gloo. Without torchrun's variables (plain `python`), a one-rank group on an
-    in-memory store. If the default group already exists it is kept.
+    CUDA: backend nccl, device cuda:LOCAL_RANK (made current). CPU: backend gloo. Without
+    torchrun's variables (plain `python`), a one-rank group on an in-memory store. If the default
+    group already exists it is kept.
     """
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
@@ -25,15 +23,11 @@ def init_from_env() -> torch.device:
         backend = "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
-    kw = {}
-    if backend == "nccl" and os.environ.get("LONGCTX_NCCL_HIGH_PRIORITY", "1") != "0":
-        kw["pg_options"] = dist.ProcessGroupNCCL.Options(is_high_priority_stream=True)
     if not dist.is_initialized():
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-            # env:// (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE)
-            dist.init_process_group(backend, **kw)
+            dist.init_process_group(backend)  # env:// (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE)
         else:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kw)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     return device
 
 
