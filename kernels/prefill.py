@@ -310,11 +310,12 @@ def _attn_fwd_kernel(
 #     (4096-65536 rows, 16/2 and 32/32 heads, causal or not); without the register cap the same
 #     tiles run one program per SM and lose 20-30%.
 #   * grid order: the query tiles of one head side by side (M_FASTEST) once a KV head's K/V
-#     exceed _L2_KV_HEAD_BYTES (a quarter of that without a causal mask), else the heads of one
-#     query tile. Measured with that config: query tiles first at 65536 keys (32 MiB per KV
-#     head) 515-525 vs 373-392 TFLOPS for 32/32 heads; at 16384 keys without a mask 522 vs 495
-#     (32/32) and 542 vs 530 (16/2); heads first with a causal mask at 16384 keys and at 4096
-#     keys level or faster (16/2 causal: 532 vs 481 at 16384, 467 vs 320 at 4096).
+#     reach _L2_KV_HEAD_BYTES (half that without a causal mask), else the heads of one query
+#     tile. Measured with that config, query tiles first vs heads first: 32/32 heads at 65536
+#     keys (32 MiB per KV head) 515-525 vs 373-392 TFLOPS, at 32768 causal 526 vs 459; at 16384
+#     keys without a mask 522 vs 495 (32/32) and 542 vs 530 (16/2); heads first with a causal
+#     mask at 16384 keys and at 4096 keys level or faster (16/2 causal: 532 vs 481 at 16384,
+#     467 vs 320 at 4096).
 #   * at most 64 query rows (chunked-prefill tails, ring steps of few tokens): 64-row tiles,
 #     so a 128-row tile does not compute mostly padding (a choice, not a measurement).
 # (BLOCK_M, BLOCK_N, num_warps, num_stages, maxnreg or None).
@@ -340,7 +341,7 @@ def launch_config(head_dim: int, dtype: torch.dtype, causal: bool, max_seqlen_q:
     else:
         cfg = _D256 if head_dim > 128 else _HALF_SHORT_Q if max_seqlen_q <= 64 else _HALF
     kv_head_bytes = 2 * max_seqlen_k * head_dim * dtype.itemsize
-    return _config_dict(cfg, kv_head_bytes > (_L2_KV_HEAD_BYTES if causal else _L2_KV_HEAD_BYTES // 4))
+    return _config_dict(cfg, kv_head_bytes >= (_L2_KV_HEAD_BYTES if causal else _L2_KV_HEAD_BYTES // 2))
 
 
 def _config_dict(cfg: tuple, m_fastest: bool) -> dict:

@@ -301,7 +301,11 @@ def ring_attention(
     plans = [_step_blocks(q_chunks, shard_chunks(seq_len, world, (rank - t) % world, layout), causal)
              for t in range(world)]
     acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    o_acc = torch.zeros(B, s_local, hq, d, dtype=acc_dtype, device=q.device)
+    # On CUDA the kernel's fused merge never reads o_acc where lse_acc is -inf, and every row is
+    # written (each query chunk sees at least its own positions), so no zero fill is needed.
+    # The CPU merge weights o_acc by 0 there, which needs finite values.
+    o_acc = (torch.empty if q.is_cuda else torch.zeros)(B, s_local, hq, d, dtype=acc_dtype,
+                                                         device=q.device)
     lse_acc = torch.full((B, s_local, hq), float("-inf"), dtype=acc_dtype, device=q.device)
 
     p2p = _RingP2P(group, rank, world, q.device)
