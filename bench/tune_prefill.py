@@ -30,7 +30,8 @@ TIMING = dict(warmup_ms=20, rep_ms=60)
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", nargs="+", default=SHAPES, help="Hq/Hkv/N/causal")
+    ap.add_argument("--shapes", nargs="+", default=SHAPES,
+                    help="Hq/Hkv/N/causal or, without a mask, Hq/Hkv/NqxNk/0 (a ring's blocks)")
     ap.add_argument("--configs", nargs="+", default=CONFIGS,
                     help="BLOCK_M,BLOCK_N,warps,stages[,maxnreg] (maxnreg caps registers per thread, "
                          "e.g. 128 lets two 8-warp programs share an SM)")
@@ -40,12 +41,15 @@ def main() -> None:
     d = args.head_dim
     rows = []
     for shape in args.shapes:
-        hq, hkv, n, causal = (int(x) for x in shape.split("/"))
-        causal = bool(causal)
-        q = torch.randn(1, n, hq, d, device="cuda", dtype=torch.bfloat16)
-        k = torch.randn(1, n, hkv, d, device="cuda", dtype=torch.bfloat16)
+        hq, hkv, n, causal = shape.split("/")
+        hq, hkv, causal = int(hq), int(hkv), bool(int(causal))
+        nq, nk = (int(x) for x in n.split("x")) if "x" in n else (int(n), int(n))
+        if causal and nq != nk:
+            raise SystemExit(f"{shape}: causal shapes are square here (a ring's diagonal blocks)")
+        q = torch.randn(1, nq, hq, d, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(1, nk, hkv, d, device="cuda", dtype=torch.bfloat16)
         v = torch.randn_like(k)
-        flops = 4 * hq * n * n * d * (0.5 if causal else 1.0)
+        flops = 4 * hq * nq * nk * d * (0.5 if causal else 1.0)
         qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             ms = bench_ms(lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal,
@@ -58,7 +62,7 @@ def main() -> None:
                                                         _config=cfg), **TIMING)
 
         row["table"] = flops / run(None) / 1e9
-        table = launch_config(d, torch.bfloat16, causal, n, n)
+        table = launch_config(d, torch.bfloat16, causal, nq, nk)
         row["table_config"] = ",".join(str(table[k]) for k in ("BLOCK_M", "BLOCK_N", "num_warps",
                                                                   "num_stages", "maxnreg") if k in table)
         row["table_config"] += ",m" if table["M_FASTEST"] else ""
