@@ -309,13 +309,14 @@ def _attn_fwd_kernel(
 #     softmax overlaps the other's tensor-core work. Best of 14 variants at every shape swept
 #     (4096-65536 rows, 16/2 and 32/32 heads, causal or not); without the register cap the same
 #     tiles run one program per SM and lose 20-30%.
-#   * grid order: the query tiles of one head side by side (M_FASTEST) once a KV head's K/V
-#     reach _L2_KV_HEAD_BYTES (half that without a causal mask), else the heads of one query
-#     tile. Measured with that config, query tiles first vs heads first: 32/32 heads at 65536
-#     keys (32 MiB per KV head) 515-525 vs 373-392 TFLOPS, at 32768 causal 526 vs 459; at 16384
-#     keys without a mask 522 vs 495 (32/32) and 542 vs 530 (16/2); heads first with a causal
-#     mask at 16384 keys and at 4096 keys level or faster (16/2 causal: 532 vs 481 at 16384,
-#     467 vs 320 at 4096).
+#   * grid order: without a causal mask, the query tiles of one head side by side (M_FASTEST):
+#     every program of a head streams the same K/V, which the L2 then serves to all of them;
+#     with a mask, only once a KV head's K/V reach _L2_KV_HEAD_BYTES, else the heads of one
+#     query tile. Measured with that config, query tiles first vs heads first: unmasked
+#     32/32 65536 515-525 vs 373-392 TFLOPS, 32768 498 vs 414, the ring's 16384 x 8192 blocks
+#     536 vs 480, 16384 522 vs 495, level (+-2%) at 4096; causal 32/32 32768 526 vs 459 and
+#     65536 525 vs 392, while heads first wins below 16 MiB per KV head (16/2 causal: 532 vs 481
+#     at 16384, 467 vs 320 at 4096; 32/8 8192: 529 vs 482).
 #   * at most 64 query rows (chunked-prefill tails, ring steps of few tokens): 64-row tiles,
 #     so a 128-row tile does not compute mostly padding (a choice, not a measurement).
 # (BLOCK_M, BLOCK_N, num_warps, num_stages, maxnreg or None).
@@ -341,7 +342,7 @@ def launch_config(head_dim: int, dtype: torch.dtype, causal: bool, max_seqlen_q:
     else:
         cfg = _D256 if head_dim > 128 else _HALF_SHORT_Q if max_seqlen_q <= 64 else _HALF
     kv_head_bytes = 2 * max_seqlen_k * head_dim * dtype.itemsize
-    return _config_dict(cfg, kv_head_bytes >= (_L2_KV_HEAD_BYTES if causal else _L2_KV_HEAD_BYTES // 2))
+    return _config_dict(cfg, not causal or kv_head_bytes >= _L2_KV_HEAD_BYTES)
 
 
 def _config_dict(cfg: tuple, m_fastest: bool) -> dict:
