@@ -109,7 +109,6 @@ def _attn_fwd_inner(
     CAUSAL: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     INTERPRET: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr = False,
 ):
     """Consume KV tiles ``[lo, hi)`` (``lo`` a multiple of BLOCK_N); returns (acc, l_i, m_i)."""
     if INTERPRET:
@@ -123,7 +122,7 @@ def _attn_fwd_inner(
             start_n += BLOCK_N
     else:
         # scf.for with runtime bounds: software-pipelined by num_stages (TMA loads).
-        for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+        for start_n in tl.range(lo, hi, BLOCK_N):
             start_n = tl.multiple_of(start_n, BLOCK_N)
             acc, l_i, m_i = _attn_fwd_step(
                 acc, l_i, m_i, q, k_desc, v_desc, start_n, offs_m, offs_n,
@@ -157,7 +156,6 @@ def _attn_fwd_kernel(
     K_START_IS_TENSOR: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     INTERPRET: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr = False,
     M_FASTEST: tl.constexpr = False,
     ACCUMULATE: tl.constexpr = False,
 ):
@@ -256,7 +254,7 @@ def _attn_fwd_kernel(
     # Stage 1: fully visible, in-bounds tiles -> no masking at all.
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_desc, v_desc, 0, mid, offs_m, offs_n, delta, seqlen_k, qk_scale,
-        BLOCK_N, False, CAUSAL, INPUT_PRECISION, INTERPRET, WARP_SPECIALIZE)
+        BLOCK_N, False, CAUSAL, INPUT_PRECISION, INTERPRET)
     # Stage 2: diagonal band (+ ragged KV tail).
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_desc, v_desc, mid, hi, offs_m, offs_n, delta, seqlen_k, qk_scale,
@@ -308,7 +306,7 @@ def _attn_fwd_kernel(
 #     thread, so that two programs (16 warps, 2 x 96 KiB of shared memory) share an SM and one's
 #     softmax overlaps the other's tensor-core work. Best of 14 variants at every shape swept
 #     (4096-65536 rows, 16/2 and 32/32 heads, causal or not); without the register cap the same
-#     tiles run one program per SM and lose 20-30%.
+#     tiles run one program per SM and lose 22-34%.
 #   * grid order: without a causal mask, the query tiles of one head side by side (M_FASTEST):
 #     every program of a head streams the same K/V, which the L2 then serves to all of them;
 #     with a mask, only once a KV head's K/V reach _L2_KV_HEAD_BYTES, else the heads of one

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from longctx.attention import attention, attention_merge_into
+from longctx.backend import use_triton_for
 from longctx.checks import check_attention_inputs
 from longctx.parallel.process_group import all_gather_ints, global_rank, rank_and_world
 
@@ -301,11 +302,11 @@ def ring_attention(
     plans = [_step_blocks(q_chunks, shard_chunks(seq_len, world, (rank - t) % world, layout), causal)
              for t in range(world)]
     acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    # On CUDA the kernel's fused merge never reads o_acc where lse_acc is -inf, and every row is
-    # written (each query chunk sees at least its own positions), so no zero fill is needed.
-    # The CPU merge weights o_acc by 0 there, which needs finite values.
-    o_acc = (torch.empty if q.is_cuda else torch.zeros)(B, s_local, hq, d, dtype=acc_dtype,
-                                                         device=q.device)
+    # The kernel's fused merge never reads o_acc where lse_acc is -inf, and every row is written
+    # (each query chunk sees at least its own positions), so it needs no zero fill; the torch
+    # merge (reference backend) weights o_acc by 0 there, which needs finite values.
+    o_acc = (torch.empty if use_triton_for(q) else torch.zeros)(
+        B, s_local, hq, d, dtype=acc_dtype, device=q.device)
     lse_acc = torch.full((B, s_local, hq), float("-inf"), dtype=acc_dtype, device=q.device)
 
     p2p = _RingP2P(group, rank, world, q.device)
