@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from longctx.backend import force_triton
 from longctx.parallel import ring_attention, shard_sequence, unshard_sequence
 from longctx.parallel.ring import LAYOUTS, _step_blocks, shard_chunks
 from longctx.reference import reference_attention
@@ -100,10 +101,20 @@ def _matrix(rank, world, group):
                 layout="zigzag", dtype=torch.float32, scale=0.3, atol=2e-5)
 
 
+def _kernel_path(rank, world, group):
+    """The ring on the Triton kernel (interpreter on CPU): its fused merge into an uninitialised
+    float32 accumulator (`attention_merge_into`), causal zigzag and unmasked contiguous, GQA."""
+    with force_triton():
+        for causal, layout in ((True, "zigzag"), (False, "contiguous")):
+            _check_ring(rank, world, group, B=1, S=2 * world * 8, Hq=4, Hkv=2, D=32,
+                        causal=causal, layout=layout, dtype=torch.float32, scale=None, atol=2e-5)
+
+
 def _ring_world(rank, world):
     torch.set_num_threads(1)  # W processes share the test machine's few cores
     if world == 2:
         _bad_input(rank, world)
+        _kernel_path(rank, world, None)
     _matrix(rank, world, None)
     if world == 4:
         # W = 3 on the subgroup of global ranks 1..3: group ranks differ from global ranks, so
@@ -116,8 +127,8 @@ def _ring_world(rank, world):
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_ring_attention_matches_reference(world):
-    """W = 1, 2, 4 on the world group; with W = 2 also bad input; with W = 4 also W = 3 on a
-    3-rank subgroup."""
+    """W = 1, 2, 4 on the world group; with W = 2 also bad input and the kernel path; with W = 4
+    also W = 3 on a 3-rank subgroup."""
     run_distributed(_ring_world, world)
 
 
