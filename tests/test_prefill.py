@@ -213,7 +213,8 @@ assert {c for c, _, _ in TABLE} == set(LAUNCH_CONFIGS)
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m_fastest", [False, True])
-@pytest.mark.parametrize("cfg,kind,dims", TABLE, ids=[k + "-" + "/".join(map(str, d)) for _, k, d in TABLE])
+@pytest.mark.parametrize("cfg,kind,dims", TABLE,
+                         ids=[f"{'x'.join(map(str, c[:4]))}-{k}-d{'/'.join(map(str, d))}" for c, k, d in TABLE])
 def test_every_launch_config(cfg: tuple, kind: str, dims: tuple[int, ...], m_fastest: bool) -> None:
     """Every config the launch table can choose, in both grid orders, is exact (not only the
     ones the benchmark's shapes happen to pick)."""
