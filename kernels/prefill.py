@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from longctx.backend import interpreter_active
+from longctx.checks import check_accumulator
 from longctx.kernels.merge import _rescale, _state_lse
 
 __all__ = ["flash_attention_fwd"]
@@ -310,13 +311,15 @@ def _attn_fwd_kernel(
 #   * grid order: without a causal mask, the query tiles of one head side by side (M_FASTEST):
 #     every program of a head streams the same K/V, which the L2 then serves to all of them;
 #     with a mask, only once a KV head's K/V reach _L2_KV_HEAD_BYTES, else the heads of one
-#     query tile. Measured with that config, query tiles first vs heads first: unmasked
-#     32/32 65536 515-525 vs 373-392 TFLOPS, 32768 498 vs 414, the ring's 16384 x 8192 blocks
-#     536 vs 480, 16384 522 vs 495, level (+-2%) at 4096; causal 32/32 32768 526 vs 459 and
-#     65536 525 vs 392, while heads first wins below 16 MiB per KV head (16/2 causal: 532 vs 481
-#     at 16384, 467 vs 320 at 4096; 32/8 8192: 529 vs 482).
-#   * at most 64 query rows (chunked-prefill tails, ring steps of few tokens): 64-row tiles,
-#     so a 128-row tile does not compute mostly padding (a choice, not a measurement).
+#     query tile. Measured with that config, query tiles first vs heads first (tune-prefill-
+#     h100-table.txt, -ring-shapes.txt): unmasked 32/32 65536 518 vs 373 TFLOPS, 32768 498 vs
+#     414, 16384 522 vs 495, the ring's 16384 x 8192 blocks 536 vs 480, level (+-2%) at 4096;
+#     causal 32/32 65536 525 vs 392 (32768: 526 vs 459 in a console run, not kept), while heads
+#     first wins below 16 MiB per KV head (16/2 causal: 532 vs 481 at 16384, 467 vs 320 at
+#     4096; 32/8 8192: 529 vs 482). Above it the rule is not always right: 16/2 causal 65536
+#     (32 MiB) measured 522 query tiles first vs 529 heads first, within run-to-run noise.
+#   * at most 64 query rows (chunked-prefill tails, ring steps of few tokens), D <= 128: 64-row
+#     tiles, so a 128-row tile does not compute mostly padding (a choice, not a measurement).
 # (BLOCK_M, BLOCK_N, num_warps, num_stages, maxnreg or None).
 _HALF = (128, 64, 8, 2, 128)
 _HALF_SHORT_Q = (64, 64, 4, 3, None)
@@ -451,7 +454,8 @@ def flash_attention_fwd(
             lse = torch.empty((batch, hq, sq), dtype=torch.float32, device=q.device)
             sl_b, sl_h, sl_s = lse.stride(0), lse.stride(1), 1
         else:
-            o, lse = _check_accumulator(accumulate, q)
+            o, lse = accumulate
+            check_accumulator(o, lse, q)
             sl_b, sl_s, sl_h = lse.stride()
         so_b, so_s, so_h, _ = o.stride()
         seqlen_q_dense, seqlen_k_dense = sq, sk
@@ -493,18 +497,3 @@ def flash_attention_fwd(
     )
     return None if accumulate is not None else (o, lse)
 
-
-def _check_accumulator(accumulate: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The running state the kernel merges into: float32, q's shape (lse without head_dim)."""
-    o_acc, lse_acc = accumulate
-    if o_acc.dtype != torch.float32 or lse_acc.dtype != torch.float32:
-        raise ValueError(f"accumulate must be float32 (o_acc, lse_acc), got {o_acc.dtype}, {lse_acc.dtype}")
-    if o_acc.shape != q.shape or lse_acc.shape != q.shape[:-1]:
-        raise ValueError(f"accumulate shapes {tuple(o_acc.shape)}, {tuple(lse_acc.shape)} must be "
-                         f"q's {tuple(q.shape)} and {tuple(q.shape[:-1])}")
-    if o_acc.device != q.device or lse_acc.device != q.device:
-        raise ValueError(f"accumulate must be on {q.device}")
-    if o_acc.stride(-1) != 1:
-        raise ValueError("accumulate's o_acc needs unit stride in head_dim")
-    return o_acc, lse_acc

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from longctx.backend import use_triton_for
-from longctx.checks import check_attention_inputs, check_offset
+from longctx.checks import check_accumulator, check_attention_inputs, check_offset
 from longctx.merge import merge_into
 from longctx.reference import reference_attention
 
@@ -130,9 +130,7 @@ def attention_merge_into(
     check_attention_inputs(q, k, v, softmax_scale)
     check_offset(q_start, "q_start", q.shape[0], q.device)
     check_offset(k_start, "k_start", q.shape[0], q.device)
-    if o_acc.shape != q.shape or lse_acc.shape != q.shape[:-1]:
-        raise ValueError(f"o_acc {tuple(o_acc.shape)} and lse_acc {tuple(lse_acc.shape)} must be "
-                         f"shaped like q {tuple(q.shape)} and q without head_dim")
+    check_accumulator(o_acc, lse_acc, q)
     if use_triton_for(q):
         from longctx.kernels.prefill import flash_attention_fwd
 

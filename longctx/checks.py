@@ -85,3 +85,20 @@ def check_attention_inputs(
     check_head_dim(q.shape[-1])
     check_gqa(q.shape[-2], k.shape[-2])
     check_softmax_scale(softmax_scale)
+
+
+def check_accumulator(o_acc: torch.Tensor, lse_acc: torch.Tensor, q: torch.Tensor) -> None:
+    """A running (O, LSE) state to merge attention over q into: o_acc [..., D] float32 shaped
+    like q, lse_acc float32 shaped like q without head_dim, on q's device (float64 for float64
+    q: the exact reference's path)."""
+    ok = (torch.float32, torch.float64) if q.dtype == torch.float64 else (torch.float32,)
+    if o_acc.dtype not in ok or lse_acc.dtype not in ok:
+        raise ValueError(f"o_acc and lse_acc must be float32, got {o_acc.dtype} and {lse_acc.dtype}")
+    if o_acc.shape != q.shape or lse_acc.shape != q.shape[:-1]:
+        raise ValueError(f"o_acc {tuple(o_acc.shape)} and lse_acc {tuple(lse_acc.shape)} must be "
+                         f"shaped like q {tuple(q.shape)} and q without head_dim")
+    if o_acc.device != q.device or lse_acc.device != q.device:
+        raise ValueError(f"o_acc ({o_acc.device}) and lse_acc ({lse_acc.device}) must be on q's "
+                         f"device {q.device}")
+    if o_acc.stride(-1) != 1:
+        raise ValueError(f"o_acc needs unit stride in head_dim, got strides {o_acc.stride()}")

@@ -7,11 +7,11 @@ The sequence is sharded over the W ranks of a process group in one of two layout
                 every rank then has the same amount of unmasked work at every ring step.
 
 At step t rank r holds the K/V shard of rank (r - t) mod W. It computes the partial state
-(O, LSE) of its queries against that shard with `longctx.attention` at the chunks' absolute
-positions, skips chunk pairs that the causal mask hides entirely, and folds the result into a
-float32 accumulator (`attention_merge_into`: on CUDA the attention kernel merges in its
-epilogue, by merge_into's rule). Meanwhile the shard is already on its way to rank r+1 and the
-next one is arriving from rank r-1 (double buffering), so communication overlaps compute.
+(O, LSE) of its queries against that shard at the chunks' absolute positions, skips chunk
+pairs that the causal mask hides entirely, and folds the result into a float32 accumulator
+(`attention_merge_into`: on CUDA the attention kernel merges in its epilogue, by merge_into's
+rule). Meanwhile the shard is already on its way to rank r+1 and the next one is arriving
+from rank r-1 (double buffering), so communication overlaps compute.
 
     >>> q_loc = shard_sequence(q, group, "zigzag")          # [B, S/W, Hq, D]
     >>> o_loc = ring_attention(q_loc, k_loc, v_loc, group=group, causal=True)

@@ -192,17 +192,22 @@ def test_grid_orders(m_fastest: bool) -> None:
     run_dense(2, 100, 90, 6, 2, 64, torch.float32, True, 10, 0, config=cfg)
 
 
-def test_launch_config_table() -> None:
-    """The table's rules (kernels/prefill.py): grid order by the K/V bytes of one KV head."""
-    if P._INTERPRET:
-        assert launch_config(128, torch.bfloat16, True, 4096, 65536)["BLOCK_M"] == 64
-        return
+def test_launch_config_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The table's rules (kernels/prefill.py), as on a GPU: the tile config by dtype, head_dim
+    and query length; the grid order by the K/V bytes of one KV head."""
+    assert launch_config(128, torch.bfloat16, True, 4096, 65536)["BLOCK_M"] == 64  # interpreter's one
+    monkeypatch.setattr(P, "_INTERPRET", False)
     assert not launch_config(128, torch.bfloat16, True, 16384, 16384)["M_FASTEST"]  # 8 MiB per KV head
     assert launch_config(128, torch.bfloat16, False, 16384, 16384)["M_FASTEST"]
     assert launch_config(128, torch.bfloat16, False, 4096, 4096)["M_FASTEST"]  # unmasked: always
     assert launch_config(128, torch.bfloat16, True, 16384, 32768)["M_FASTEST"]     # 16 MiB
-    assert launch_config(128, torch.float16, True, 4096, 4096)["maxnreg"] == 128
-    assert launch_config(128, torch.float16, True, 64, 4096)["BLOCK_M"] == 64
+    assert launch_config(64, torch.bfloat16, True, 16384, 65536)["M_FASTEST"]     # 16 MiB at D=64
+    assert not launch_config(64, torch.bfloat16, True, 16384, 32768)["M_FASTEST"]
+    assert launch_config(128, torch.float16, True, 4096, 4096) == P._config_dict(P._HALF, False)
+    assert launch_config(128, torch.float16, True, 64, 4096) == P._config_dict(P._HALF_SHORT_Q, False)
+    assert launch_config(256, torch.float16, True, 64, 4096) == P._config_dict(P._D256, False)
+    assert launch_config(128, torch.float32, True, 4096, 4096) == P._config_dict(P._FP32, False)
+    assert launch_config(256, torch.float32, True, 4096, 4096) == P._config_dict(P._FP32_D256, False)
 
 
 # Every config the launch table can choose, with the dtypes and head dims it chooses it for.
@@ -343,29 +348,35 @@ def test_merge_with_empty_rows() -> None:
     assert (lse[~empty] - full_lse.double()[~empty]).abs().max() < FP32_TOL
 
 
+@pytest.mark.parametrize("m_fastest", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32] + HALF)
 @pytest.mark.parametrize("causal", [True, False])
-def test_accumulate_chunks(causal: bool, dtype: torch.dtype) -> None:
-    """The kernel's fused merge (accumulate=): K/V in 4 uneven chunks (one entirely in the
-    queries' future, so some rows stay empty) folded into one running state equals attention
-    over the whole K/V; GQA group 3, two sequences with per-sequence offsets."""
+def test_accumulate_chunks(causal: bool, dtype: torch.dtype, m_fastest: bool) -> None:
+    """The kernel's fused merge (accumulate=): K/V in 4 uneven chunks folded into one running
+    state equals attention over the whole K/V; GQA group 3, two sequences with per-sequence
+    offsets. Causal: sequence 1's first rows see no key at all (they stay empty) and its last
+    chunk lies entirely in its queries' future. The accumulator starts as NaN with LSE -inf:
+    the kernel must never read O where the state is empty."""
     torch.manual_seed(60)
-    b, sq, sk, hq, hkv, d = 2, 70, 150, 3, 1, 64
+    b, sq, sk, hq, hkv, d, k0 = 2, 70, 150, 3, 1, 64, 10
     q, k, v = rand(b, sq, hq, d, dtype=dtype), rand(b, sk, hkv, d, dtype=dtype), rand(b, sk, hkv, d, dtype=dtype)
-    q_start = ints([40, 5], torch.int64)  # sequence 1: rows 0..24 see nothing of keys >= 30
+    q_start = ints([40, 5], torch.int64)  # sequence 1: rows 0..4 precede key 0 (at position 10)
     kw = dict(softmax_scale=d ** -0.5, causal=causal, q_start=q_start)
-    o_acc = torch.zeros(b, sq, hq, d, dtype=torch.float32, device=DEV)
+    cfg = {"BLOCK_M": 32, "BLOCK_N": 32, "M_FASTEST": m_fastest}
+    o_acc = torch.full((b, sq, hq, d), float("nan"), dtype=torch.float32, device=DEV)
     lse_acc = torch.full((b, sq, hq), float("-inf"), dtype=torch.float32, device=DEV)
     for a, e in [(0, 30), (30, 31), (31, 120), (120, 150)]:
-        out = flash_attention_fwd(q, k[:, a:e], v[:, a:e], k_start=a, accumulate=(o_acc, lse_acc), **kw)
+        out = flash_attention_fwd(q, k[:, a:e], v[:, a:e], k_start=k0 + a, accumulate=(o_acc, lse_acc),
+                                  _config=cfg, **kw)
         assert out is None
     for i in range(b):
-        o_ref, lse_ref = ref_seq(q[i], k[i], v[i], d ** -0.5, causal, int(q_start[i]), 0)
+        o_ref, lse_ref = ref_seq(q[i], k[i], v[i], d ** -0.5, causal, int(q_start[i]), k0)
         lse_i = lse_acc[i].transpose(0, 1)  # [Hq, Sq] like the reference
         empty = torch.isneginf(lse_ref)
+        assert empty.any() == (causal and i == 1)
         assert torch.equal(torch.isneginf(lse_i.cpu()), empty)
         assert (o_acc[i].cpu()[empty.transpose(0, 1)] == 0).all()
-        oh = torch_half_seq(q[i], k[i], v[i], d ** -0.5, causal, int(q_start[i]), 0) \
+        oh = torch_half_seq(q[i], k[i], v[i], d ** -0.5, causal, int(q_start[i]), k0) \
             if dtype != torch.float32 else None
         check(o_acc[i], lse_i, o_ref, lse_ref, torch.float32 if oh is None else dtype, oh)
 
@@ -387,12 +398,18 @@ def test_accumulate_public_api_and_checks() -> None:
             longctx.merge_into(o2, l2, o, lse.transpose(1, 2))
     assert (o1 - o2).abs().max() < FP32_TOL and (l1 - l2).abs().max() < FP32_TOL
     kw = dict(softmax_scale=0.125, causal=False, q_start=0, k_start=0)
-    with pytest.raises(ValueError, match="accumulate"):
+    with pytest.raises(ValueError, match="o_acc and lse_acc must be float32"):
         flash_attention_fwd(q, k, v, accumulate=(o1.half(), l1), **kw)
-    with pytest.raises(ValueError, match="accumulate"):
+    with pytest.raises(ValueError, match="o_acc .* and lse_acc .* must be shaped like q"):
         flash_attention_fwd(q, k, v, accumulate=(o1[:, :5], l1[:, :5]), **kw)
-    with pytest.raises(ValueError, match="o_acc"):
+    with pytest.raises(ValueError, match="o_acc .* and lse_acc .* must be shaped like q"):
         longctx.attention_merge_into(o1[:, :5], l1, q, k, v)
+    with pytest.raises(ValueError, match="must be float32"):
+        longctx.attention_merge_into(o1, l1.double(), q, k, v)
+    with pytest.raises(ValueError, match="unit stride"):
+        longctx.attention_merge_into(o1.transpose(-1, -2).contiguous().transpose(-1, -2), l1, q, k, v)
+    with pytest.raises(ValueError, match="device"):
+        longctx.attention_merge_into(o1.to("meta"), l1, q, k, v)
 
 
 @pytest.mark.parametrize("sq,sk,q_start,k_start", [(40, 128, 0, 0), (16, 128, 20, 0), (30, 120, 100, 64)])
