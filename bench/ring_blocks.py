@@ -40,6 +40,7 @@ def main() -> None:
         return 4 * hq * sq * sk * d * (0.5 if causal else 1.0) / ms / 1e9
 
     one = bench_ms(lambda: attention(q, k, v, causal=True), **TIMING)
+    o_one = attention(q, k, v, causal=True)
     print(f"one device, {S} causal: {one:.3f} ms, {tflops(S, S, True, one):.0f} TFLOPS")
 
     def shard(x: torch.Tensor, chunks: list[tuple[int, int]]) -> torch.Tensor:
@@ -49,6 +50,9 @@ def main() -> None:
         q_chunks = shard_chunks(S, W, rank, "zigzag")
         ql = shard(q, q_chunks)
         total = 0.0
+        # The rank's whole plan folded into one state: its output shard, checked below.
+        o_rank = torch.empty(ql.shape, dtype=torch.float32, device="cuda")
+        lse_rank = torch.full(ql.shape[:3], float("-inf"), dtype=torch.float32, device="cuda")
         for t in range(W):
             k_chunks = shard_chunks(S, W, (rank - t) % W, "zigzag")
             kl, vl = shard(k, k_chunks), shard(v, k_chunks)
@@ -61,10 +65,13 @@ def main() -> None:
                 fused = bench_ms(lambda: attention_merge_into(o_acc, lse_acc, *qkv, **kw), **TIMING)
                 plain = bench_ms(lambda: attention(*qkv, **kw), **TIMING)
                 total += fused
+                attention_merge_into(o_rank[:, b.q0:b.q1], lse_rank[:, b.q0:b.q1], *qkv, **kw)
                 print(f"rank {rank} step {t}: q {sq} x k {sk} causal={b.masked}: fused {fused:.3f} ms "
                       f"({tflops(sq, sk, b.masked, fused):.0f} TFLOPS), plain {plain:.3f} ms "
                       f"({tflops(sq, sk, b.masked, plain):.0f})", flush=True)
-        print(f"rank {rank}: blocks sum to {total:.3f} ms; one device / {W} = {one / W:.3f} ms")
+        err = (o_rank.to(q.dtype).float() - shard(o_one, q_chunks).float()).abs().max().item()
+        print(f"rank {rank}: blocks sum to {total:.3f} ms; one device / {W} = {one / W:.3f} ms; "
+              f"max |O - one device| {err:.1e}")
 
 
 if __name__ == "__main__":

@@ -74,7 +74,7 @@ def main() -> None:
                 print(f"  skip {sp} {cfg}: {type(e).__name__}")
         best = min(results, key=results.get)
         h_sp = choose_num_splits(B, args.hkv, N, sms)
-        h_cfg = _launch_config(args.d, torch.float16, 16, triton.cdiv(N, h_sp))
+        h_cfg = _launch_config(args.d, torch.float16, 16, triton.cdiv(N, h_sp), q.device)
         h = results.get((h_sp, h_cfg))
         by_split = {sp: min(t for (s, _), t in results.items() if s == sp) for sp in args.splits
                     if any(s == sp for s, _ in results)}

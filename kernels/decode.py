@@ -16,6 +16,8 @@ once replays correctly as sequences grow.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -187,15 +189,18 @@ def _decode_split_kernel(
     tl.store(lse_ptrs, lse, mask=h_mask)
 
 
-def _launch_config(head_dim: int, dtype: torch.dtype, block_h: int,
-                   keys_per_split: int) -> tuple[int, int, int]:
+def _launch_config(head_dim: int, dtype: torch.dtype, block_h: int, keys_per_split: int,
+                   device: torch.device) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages) for a cache dtype / head_dim / BLOCK_H / split length.
 
-    Half precision, head_dim <= 128: measured on an H200 (bench/tune_decode.py, 16/2 heads,
-    fp16): BLOCK_N 128 with 3 stages is best or within 0.5 µs once a split holds >= 1024 keys;
-    shorter splits prefer BLOCK_N 64 (2 stages at <= 256 keys). Other cases were chosen from
-    offline sm_90 compiles (no spills): fp32 ("ieee" dot on FMA units) needs small key blocks
-    and 8 warps; head_dim 256 halves the key block.
+    Half precision, head_dim <= 128, measured with bench/tune_decode.py (16/2 heads, fp16,
+    graph replay; bench/results/tune-decode-*.txt): shorter splits prefer BLOCK_N 64 (2 stages
+    at <= 256 keys). From 1024 keys per split the best block length depends on the GPU: on an
+    H200, 128 keys with 3 stages (64 loses 0.9-1.2 µs at the heuristic's split counts for 4-67
+    MB of cache); on an H100, 64 keys with 3 stages (128 loses 0.3-1.1 µs). GPUs not measured
+    get the H200's choice. Other cases were chosen from offline sm_90 compiles (no spills):
+    fp32 ("ieee" dot on FMA units) needs small key blocks and 8 warps; head_dim 256 halves the
+    key block.
     """
     if dtype == torch.float32:
         return (32 if head_dim <= 128 and block_h * head_dim < 64 * 128 else 16), 8, 2
@@ -203,8 +208,17 @@ def _launch_config(head_dim: int, dtype: torch.dtype, block_h: int,
         return 32, 8 if block_h * head_dim >= 64 * 128 else 4, 2
     num_warps = 8 if block_h * head_dim >= 64 * 128 else 4
     if keys_per_split >= 1024:
-        return 128, num_warps, 3
+        return (64 if _is_h100(device) else 128), num_warps, 3
     return 64, num_warps, 2 if keys_per_split <= 256 else 3
+
+
+def _is_h100(device: torch.device) -> bool:
+    return device.type == "cuda" and "H100" in _device_name(device.index)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_name(index: int | None) -> str:
+    return torch.cuda.get_device_name(index)
 
 
 def flash_decode_partials(
@@ -255,7 +269,7 @@ def flash_decode_partials(
     block_h = min(max(16, triton.next_power_of_2(group)), _MAX_BLOCK_H)
     n_hblk = triton.cdiv(group, block_h)
     keys = triton.cdiv(capacity, num_splits)
-    block_n, num_warps, num_stages = config or _launch_config(D, k_cache.dtype, block_h, keys)
+    block_n, num_warps, num_stages = config or _launch_config(D, k_cache.dtype, block_h, keys, q.device)
 
     o_part = torch.empty((num_splits, B, Hq, D), device=q.device, dtype=out_dtype)
     lse_part = torch.empty((num_splits, B, Hq), device=q.device, dtype=torch.float32)

@@ -89,7 +89,7 @@ def check(q, k_cache, v_cache, seqlens, block_table, scale, num_splits, k_log, v
     G = Hq // k_cache.shape[2]
     capacity = block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
     bn, _, _ = _launch_config(D, k_cache.dtype, min(max(16, triton.next_power_of_2(G)), _MAX_BLOCK_H),
-                              triton.cdiv(capacity, num_splits))
+                              triton.cdiv(capacity, num_splits), torch.device(DEV))
     for b in range(B):
         for s, (lo, hi) in enumerate(split_ranges(int(seqlens[b]), num_splits, bn)):
             if lo >= hi:

@@ -195,7 +195,8 @@ def test_grid_orders(m_fastest: bool) -> None:
 def test_launch_config_table(monkeypatch: pytest.MonkeyPatch) -> None:
     """The table's rules (kernels/prefill.py), as on a GPU: the tile config by dtype, head_dim
     and query length; the grid order by the K/V bytes of one KV head."""
-    assert launch_config(128, torch.bfloat16, True, 4096, 65536)["BLOCK_M"] == 64  # interpreter's one
+    if P._INTERPRET:
+        assert launch_config(128, torch.bfloat16, True, 4096, 65536)["BLOCK_M"] == 64  # its one config
     monkeypatch.setattr(P, "_INTERPRET", False)
     assert not launch_config(128, torch.bfloat16, True, 16384, 16384)["M_FASTEST"]  # 8 MiB per KV head
     assert launch_config(128, torch.bfloat16, False, 16384, 16384)["M_FASTEST"]
