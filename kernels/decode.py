@@ -196,9 +196,10 @@ def _launch_config(head_dim: int, dtype: torch.dtype, block_h: int, keys_per_spl
     Half precision, head_dim <= 128, measured with bench/tune_decode.py (16/2 heads, fp16,
     graph replay; bench/results/tune-decode-*.txt): shorter splits prefer BLOCK_N 64 (2 stages
     at <= 256 keys). From 1024 keys per split the best block length depends on the GPU: on an
-    H200, 128 keys with 3 stages (64 loses 0.9-1.2 µs at the heuristic's split counts for 4-67
-    MB of cache); on an H100, 64 keys with 3 stages (128 loses 0.3-1.1 µs). GPUs not measured
-    get the H200's choice. Other cases were chosen from offline sm_90 compiles (no spills):
+    H200, 128 keys with 3 stages (64 loses 0.9-1.4 µs at the heuristic's split counts for 67
+    MB of cache, 2-5 µs for 134-268 MB); on an H100 80GB HBM3, 64 keys with 3 stages (128 loses
+    0.3-1.2 µs). Every GPU named H100 gets the H100's choice, every other one the H200's.
+    Other cases were chosen from offline sm_90 compiles (no spills):
     fp32 ("ieee" dot on FMA units) needs small key blocks and 8 warps; head_dim 256 halves the
     key block.
     """
@@ -213,11 +214,14 @@ def _launch_config(head_dim: int, dtype: torch.dtype, block_h: int, keys_per_spl
 
 
 def _is_h100(device: torch.device) -> bool:
-    return device.type == "cuda" and "H100" in _device_name(device.index)
+    if device.type != "cuda":
+        return False
+    return "H100" in _device_name(device.index if device.index is not None
+                                  else torch.cuda.current_device())
 
 
 @functools.lru_cache(maxsize=None)
-def _device_name(index: int | None) -> str:
+def _device_name(index: int) -> str:
     return torch.cuda.get_device_name(index)
 
 

@@ -456,6 +456,8 @@ def flash_attention_fwd(
         else:
             o, lse = accumulate
             check_accumulator(o, lse, q)
+            if o.dtype != torch.float32:
+                raise ValueError(f"the kernel merges into float32 accumulators, got {o.dtype}")
             sl_b, sl_s, sl_h = lse.stride()
         so_b, so_s, so_h, _ = o.stride()
         seqlen_q_dense, seqlen_k_dense = sq, sk

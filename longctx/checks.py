@@ -92,8 +92,9 @@ def check_accumulator(o_acc: torch.Tensor, lse_acc: torch.Tensor, q: torch.Tenso
     like q, lse_acc float32 shaped like q without head_dim, on q's device (float64 for float64
     q: the exact reference's path)."""
     ok = (torch.float32, torch.float64) if q.dtype == torch.float64 else (torch.float32,)
-    if o_acc.dtype not in ok or lse_acc.dtype not in ok:
-        raise ValueError(f"o_acc and lse_acc must be float32, got {o_acc.dtype} and {lse_acc.dtype}")
+    if o_acc.dtype not in ok or lse_acc.dtype != o_acc.dtype:
+        raise ValueError(f"o_acc and lse_acc must both be float32 (or both float64 for float64 q), "
+                         f"got {o_acc.dtype} and {lse_acc.dtype}")
     if o_acc.shape != q.shape or lse_acc.shape != q.shape[:-1]:
         raise ValueError(f"o_acc {tuple(o_acc.shape)} and lse_acc {tuple(lse_acc.shape)} must be "
                          f"shaped like q {tuple(q.shape)} and q without head_dim")

@@ -7,8 +7,9 @@ The sequence is sharded over the W ranks of a process group in one of two layout
                 every rank then has the same amount of unmasked work at every ring step.
 
 At step t rank r holds the K/V shard of rank (r - t) mod W. It computes the partial state
-(O, LSE) of its queries against that shard at the chunks' absolute positions, skips chunk
-pairs that the causal mask hides entirely, and folds the result into a float32 accumulator
+(O, LSE) of its queries against that shard, masked by the chunks' absolute positions (its own
+shard in one causal call over local row order, which orders the same), skips chunk pairs that
+the causal mask hides entirely, and folds the result into a float32 accumulator
 (`attention_merge_into`: on CUDA the attention kernel merges in its epilogue, by merge_into's
 rule). Meanwhile the shard is already on its way to rank r+1 and the next one is arriving
 from rank r-1 (double buffering), so communication overlaps compute.
@@ -170,11 +171,11 @@ def _step_blocks(
     q_chunks: list[tuple[int, int]], k_chunks: list[tuple[int, int]], causal: bool
 ) -> list[_Block]:
     """The attention calls that cover every visible (query chunk, key chunk) pair of one step."""
-    starts = [a for a, _ in q_chunks]
-    if causal and q_chunks == k_chunks and starts == sorted(starts):
+    increasing = all(a + n <= b for (a, n), (b, _) in zip(q_chunks, q_chunks[1:]))
+    if causal and q_chunks == k_chunks and increasing:
         # A rank's own shard: queries and keys hold the same positions in increasing order, so
         # the mask is causal in local row order. One call instead of one per chunk pair (zigzag:
-        # two diagonal blocks and one full block) fills the GPU better and skips masked tiles.
+        # two diagonal blocks and one full block, the same tiles) keeps the GPU fuller.
         n = sum(length for _, length in q_chunks)
         return [_Block(0, n, 0, n, True, 0, 0)]
     blocks = []

@@ -399,13 +399,13 @@ def test_accumulate_public_api_and_checks() -> None:
             longctx.merge_into(o2, l2, o, lse.transpose(1, 2))
     assert (o1 - o2).abs().max() < FP32_TOL and (l1 - l2).abs().max() < FP32_TOL
     kw = dict(softmax_scale=0.125, causal=False, q_start=0, k_start=0)
-    with pytest.raises(ValueError, match="o_acc and lse_acc must be float32"):
+    with pytest.raises(ValueError, match="o_acc and lse_acc must both be float32"):
         flash_attention_fwd(q, k, v, accumulate=(o1.half(), l1), **kw)
     with pytest.raises(ValueError, match="o_acc .* and lse_acc .* must be shaped like q"):
         flash_attention_fwd(q, k, v, accumulate=(o1[:, :5], l1[:, :5]), **kw)
     with pytest.raises(ValueError, match="o_acc .* and lse_acc .* must be shaped like q"):
         longctx.attention_merge_into(o1[:, :5], l1, q, k, v)
-    with pytest.raises(ValueError, match="must be float32"):
+    with pytest.raises(ValueError, match="must both be float32"):
         longctx.attention_merge_into(o1, l1.double(), q, k, v)
     with pytest.raises(ValueError, match="unit stride"):
         longctx.attention_merge_into(o1.transpose(-1, -2).contiguous().transpose(-1, -2), l1, q, k, v)

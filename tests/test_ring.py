@@ -105,7 +105,7 @@ def _kernel_path(rank, world, group):
     """The ring on the Triton kernel (interpreter on CPU): its fused merge into an uninitialised
     float32 accumulator (`attention_merge_into`), causal zigzag and unmasked contiguous, GQA.
     CPU tensors reach the kernel only under the interpreter; on a GPU machine
-    tests/test_ring_gpu.py runs this path on the device."""
+    tests/test_ring_gpu.py checks the ring's plan on the kernel against a reference instead."""
     if not interpreter_active():
         return
     with force_triton():
@@ -148,11 +148,12 @@ def test_shard_chunks_and_bad_lengths():
         shard_chunks(12, 2, 0, "striped")
 
 
+@pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("world", [2, 3, 5])
-def test_causal_plan_skips_masked_pairs_and_zigzag_balances(world):
+def test_plan_skips_masked_pairs_and_zigzag_balances(world, causal):
     """Count the query x key cells each rank computes per step: every visible cell once, fully
-    masked chunk pairs never, each block's mask the true one; zigzag gives every rank the same
-    work at every step, in one call per step."""
+    masked chunk pairs never, each block's mask the true one (no mask without causal); zigzag
+    gives every rank the same work at every step, in one call per step."""
     S = 2 * world * 4
     for layout in LAYOUTS:
         per_rank = []
@@ -164,13 +165,14 @@ def test_causal_plan_skips_masked_pairs_and_zigzag_balances(world):
                 kc = shard_chunks(S, world, (r - t) % world, layout)
                 k_pos = [a + i for a, n in kc for i in range(n)]
                 cells = 0
-                blocks = _step_blocks(qc, kc, causal=True)
+                blocks = _step_blocks(qc, kc, causal=causal)
                 if layout == "zigzag":
                     assert len(blocks) == 1  # one kernel call per step
                 for b in blocks:
                     qs, ks = q_pos[b.q0:b.q1], k_pos[b.k0:b.k1]
-                    visible = sum(kp <= qp for qp in qs for kp in ks)
+                    visible = sum(kp <= qp or not causal for qp in qs for kp in ks)
                     if b.masked:  # the kernel's mask on the block's positions is the true one
+                        assert causal
                         assert all((b.q_start + i >= b.k_start + j) == (kp <= qp)
                                    for i, qp in enumerate(qs) for j, kp in enumerate(ks))
                     else:
@@ -179,7 +181,8 @@ def test_causal_plan_skips_masked_pairs_and_zigzag_balances(world):
                     cells += visible
                 steps.append(cells)
             per_rank.append(steps)
-        assert sum(map(sum, per_rank)) == S * (S + 1) // 2  # each visible (q, k) pair once
+        # each visible (q, k) pair once
+        assert sum(map(sum, per_rank)) == (S * (S + 1) // 2 if causal else S * S)
         if layout == "zigzag":
             assert all(steps == per_rank[0] for steps in per_rank), per_rank
 
