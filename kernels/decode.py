@@ -199,9 +199,8 @@ def _launch_config(head_dim: int, dtype: torch.dtype, block_h: int, keys_per_spl
     H200, 128 keys with 3 stages (64 loses 0.9-1.4 µs at the heuristic's split counts for 67
     MB of cache, 2-5 µs for 134-268 MB); on an H100 80GB HBM3, 64 keys with 3 stages (128 loses
     0.3-1.2 µs). Every GPU named H100 gets the H100's choice, every other one the H200's.
-    Other cases were chosen from offline sm_90 compiles (no spills):
-    fp32 ("ieee" dot on FMA units) needs small key blocks and 8 warps; head_dim 256 halves the
-    key block.
+    Other cases were chosen from offline sm_90 compiles (no spills): fp32 ("ieee" dot on FMA
+    units) needs small key blocks and 8 warps; head_dim 256 halves the key block.
     """
     if dtype == torch.float32:
         return (32 if head_dim <= 128 and block_h * head_dim < 64 * 128 else 16), 8, 2
