@@ -7,6 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
+from longctx.kernels.utils import cdiv
+
 
 @triton.jit
 def _read_kernel(X, OUT, N, BLOCK: tl.constexpr, ITERS: tl.constexpr):
@@ -24,7 +26,7 @@ def read_bandwidth(nbytes: int = 4 << 30) -> float:
     of triton.testing.do_bench (which flushes L2 between repetitions)."""
     x = torch.randn(nbytes // 2, device="cuda", dtype=torch.float16)
     BLOCK, ITERS = 4096, 16
-    grid = triton.cdiv(x.numel(), BLOCK * ITERS)
+    grid = cdiv(x.numel(), BLOCK * ITERS)
     out = torch.empty(grid, device="cuda", dtype=torch.float32)
     ms = triton.testing.do_bench(lambda: _read_kernel[(grid,)](x, out, x.numel(), BLOCK=BLOCK,
                                                                ITERS=ITERS, num_warps=8),

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from longctx.backend import interpreter_active
 from longctx.kernels.merge import merge_states_triton
-from longctx.kernels.utils import device_sms, pdl_launch, pdl_wait
+from longctx.kernels.utils import cdiv, device_sms, next_power_of_2, pdl_launch, pdl_wait
 
 __all__ = ["flash_decode", "flash_decode_partials", "choose_num_splits"]
 
@@ -269,9 +269,9 @@ def flash_decode_partials(
         bt, stride_btb = cache_seqlens, 0  # dummy pointer, never dereferenced
 
     group = Hq // Hkv
-    block_h = min(max(16, triton.next_power_of_2(group)), _MAX_BLOCK_H)
-    n_hblk = triton.cdiv(group, block_h)
-    keys = triton.cdiv(capacity, num_splits)
+    block_h = min(max(16, next_power_of_2(group)), _MAX_BLOCK_H)
+    n_hblk = cdiv(group, block_h)
+    keys = cdiv(capacity, num_splits)
     block_n, num_warps, num_stages = config or _launch_config(D, k_cache.dtype, block_h, keys, q.device)
 
     o_part = torch.empty((num_splits, B, Hq, D), device=q.device, dtype=out_dtype)
@@ -281,17 +281,19 @@ def flash_decode_partials(
     precision = "ieee" if k_cache.dtype == torch.float32 else "tf32"
 
     grid = (num_splits, B * Hkv, n_hblk)
+    # Stride tuples, one call per tensor: eager callers pay every host-side op.
+    sk, sv = k_cache.stride(), v_cache.stride()
     _decode_split_kernel[grid](
         q, k_cache, v_cache, cache_seqlens, bt, o_part, lse_part,
         float(softmax_scale) * _LOG2E,
         num_splits, capacity, num_pages,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        *q.stride()[:2],
+        *sk[:3],
+        *sv[:3],
         cache_seqlens.stride(0),
         stride_btb,
-        o_part.stride(0), o_part.stride(1), o_part.stride(2),
-        lse_part.stride(0), lse_part.stride(1),
+        B * Hq * D, Hq * D, D,  # o_part, contiguous
+        B * Hq, Hq,  # lse_part, contiguous
         HKV=Hkv,
         GROUP=group,
         HEAD_DIM=D,

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from longctx.kernels.utils import pdl_launch, pdl_wait
+from longctx.kernels.utils import cdiv, next_power_of_2, pdl_launch, pdl_wait
 
 
 @triton.jit
@@ -49,7 +49,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     y = torch.empty_like(x2)
     a2 = add.reshape(-1, N) if add is not None else x2
     s2 = torch.empty_like(x2) if add is not None else y
-    BLOCK = triton.next_power_of_2(N)
+    BLOCK = next_power_of_2(N)
     _rms_norm_kernel[(x2.shape[0],)](x2, a2, s2, weight, y, x2.stride(0), a2.stride(0),
                                      s2.stride(0), y.stride(0), N, eps, HAS_ADD=add is not None,
                                      BLOCK=BLOCK, num_warps=min(16, max(1, BLOCK // 512)),
@@ -86,8 +86,8 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tens
     """Rotate x [B, S, H, D] (last stride 1) in place by the positions pos [B, S] (any strides,
     e.g. expanded); cos/sin are the [max_seq_len, D] float32 tables. Returns x."""
     B, S, H, D = x.shape
-    BLOCK_H = min(triton.next_power_of_2(H), 16)
-    _rope_kernel[(B * S, triton.cdiv(H, BLOCK_H))](
+    BLOCK_H = min(next_power_of_2(H), 16)
+    _rope_kernel[(B * S, cdiv(H, BLOCK_H))](
         x, cos, sin, pos, x.stride(0), x.stride(1), x.stride(2), pos.stride(0), pos.stride(1),
         S, H, cos.stride(0), HALF=D // 2, BLOCK_H=BLOCK_H, num_warps=2, **pdl_launch(x.device))
     return x
@@ -113,7 +113,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     y = gate_up.new_empty(*gate_up.shape[:-1], I)
     rows = gate_up.numel() // (2 * I)
     BLOCK = 1024
-    _silu_mul_kernel[(rows, triton.cdiv(I, BLOCK))](gate_up, y, I, BLOCK=BLOCK, num_warps=4,
+    _silu_mul_kernel[(rows, cdiv(I, BLOCK))](gate_up, y, I, BLOCK=BLOCK, num_warps=4,
                                                      **pdl_launch(gate_up.device))
     return y
 
@@ -146,5 +146,5 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     B, S_max, H, D = k_cache.shape
     _store_kv_kernel[(B, 2)](k_cache, v_cache, k, v, slot, S_max, k_cache.stride(0),
                              k_cache.stride(1), k_cache.stride(2), k.stride(0), k.stride(1),
-                             v.stride(0), v.stride(1), H, BLOCK_H=triton.next_power_of_2(H), D=D,
+                             v.stride(0), v.stride(1), H, BLOCK_H=next_power_of_2(H), D=D,
                              num_warps=4, **pdl_launch(k.device))

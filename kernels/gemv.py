@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from longctx.kernels.utils import pdl_launch, pdl_wait
+from longctx.kernels.utils import cdiv, next_power_of_2, pdl_launch, pdl_wait
 
 
 @triton.jit
@@ -79,7 +79,7 @@ def gemv_config(K: int) -> tuple[int, int, int]:
     rule (512-wide steps, 4-16 rows for >= 12 programs per SM) reached 82-98%.
     """
     if K < 1024:
-        return 4, triton.next_power_of_2(K), 4
+        return 4, next_power_of_2(K), 4
     if K % 2048 == 0 and K >= 4 * 2048:
         return 4, 2048, 8
     return 4, 1024, 4
@@ -99,7 +99,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int] | N
         raise ValueError(f"gated gemv needs an even number of weight rows (gate, up), got {N}")
     out = torch.empty(*x.shape[:-1], N // 2 if gated else N, dtype=x.dtype, device=x.device)
     block_n, block_k, warps = config or gemv_config(K)
-    _gemv_kernel[(triton.cdiv(N, block_n),)](
+    _gemv_kernel[(cdiv(N, block_n),)](
         x1, weight, out, N, K, weight.stride(0), BLOCK_N=block_n, BLOCK_K=block_k,
         EVEN_K=K % block_k == 0, GATED=gated, num_warps=warps, **pdl_launch(x.device))
     return out

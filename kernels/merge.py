@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from longctx.kernels.utils import pdl_launch, pdl_wait
+from longctx.kernels.utils import cdiv, next_power_of_2, pdl_launch, pdl_wait
 
 
 @triton.jit
@@ -119,17 +119,20 @@ def merge_states_triton(o: torch.Tensor, lse: torch.Tensor, out_dtype: torch.dty
     o3 = _rows(o, 1)
     lse2 = lse.reshape(P, -1)
     R, D = o3.shape[1], o3.shape[2]
-    o_out = torch.empty(o3.shape[1:], dtype=out_dtype or o.dtype, device=o.device)
-    lse_out = torch.empty(lse2.shape[1:], dtype=torch.float32, device=o.device)
+    # Allocated in their final shapes (contiguous: row r of [R, D] starts at r * D); on the
+    # eager decode path every host-side op counts.
+    o_out = torch.empty(o.shape[1:], dtype=out_dtype or o.dtype, device=o.device)
+    lse_out = torch.empty(lse.shape[1:], dtype=torch.float32, device=o.device)
     if R:
-        BLOCK_D = min(triton.next_power_of_2(D), 32)
-        BLOCK_P = max(1, min(triton.next_power_of_2(P), 4096 // BLOCK_D))
-        _merge_kernel[(R, triton.cdiv(D, BLOCK_D))](
-            o3, lse2, o_out, lse_out, P, D,
-            o3.stride(0), o3.stride(1), lse2.stride(0), lse2.stride(1), o_out.stride(0),
+        BLOCK_D = min(next_power_of_2(D), 32)
+        BLOCK_P = max(1, min(next_power_of_2(P), 4096 // BLOCK_D))
+        s_op, s_or, _ = o3.stride()
+        s_lp, s_lr = lse2.stride()
+        _merge_kernel[(R, cdiv(D, BLOCK_D))](
+            o3, lse2, o_out, lse_out, P, D, s_op, s_or, s_lp, s_lr, D,
             BLOCK_P=BLOCK_P, BLOCK_D=BLOCK_D, num_warps=2, **pdl_launch(o.device),
         )
-    return o_out.view(o.shape[1:]), lse_out.view(lse.shape[1:])
+    return o_out, lse_out
 
 
 def merge_into_triton(o_acc: torch.Tensor, lse_acc: torch.Tensor, o: torch.Tensor,
@@ -144,9 +147,9 @@ def merge_into_triton(o_acc: torch.Tensor, lse_acc: torch.Tensor, o: torch.Tenso
     l2 = lse.reshape(-1, H)  # a view, no copy, for the ring's B = 1 transpose
     R = o2.shape[0]
     if R:
-        BLOCK_D = triton.next_power_of_2(D)
+        BLOCK_D = next_power_of_2(D)
         BLOCK_R = max(1, min(32, 4096 // BLOCK_D))
-        _merge_into_kernel[(triton.cdiv(R, BLOCK_R),)](
+        _merge_into_kernel[(cdiv(R, BLOCK_R),)](
             o2, l2, acc_o, acc_l, R, D, H, o2.stride(0), l2.stride(0), l2.stride(1), D,
             BLOCK_R=BLOCK_R, BLOCK_D=BLOCK_D, num_warps=4, **pdl_launch(o.device),
         )

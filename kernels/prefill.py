@@ -31,6 +31,7 @@ import triton.language as tl
 from longctx.backend import interpreter_active
 from longctx.checks import check_accumulator
 from longctx.kernels.merge import _rescale, _state_lse
+from longctx.kernels.utils import cdiv, next_power_of_2
 
 __all__ = ["flash_attention_fwd"]
 
@@ -471,13 +472,13 @@ def flash_attention_fwd(
     qs_arg, qs_is_t = _offset_arg(q_start, batch, q.device, "q_start")
     ks_arg, ks_is_t = _offset_arg(k_start, batch, q.device, "k_start")
 
-    block_d = max(triton.next_power_of_2(d), 16)
+    block_d = max(next_power_of_2(d), 16)
     # fp32: true fp32 FMA dots (~1e-6 error) instead of TF32; ignored for fp16/bf16.
     input_precision = "ieee" if q.dtype == torch.float32 else "tf32"
     cfg = dict(_config) if _config is not None else launch_config(
         d, q.dtype, bool(causal), max_seqlen_q, max_seqlen_k)
     num_warps, num_stages = cfg.pop("num_warps", 4), cfg.pop("num_stages", 1)
-    grid = (batch * hq * triton.cdiv(max_seqlen_q, cfg["BLOCK_M"]),)
+    grid = (batch * hq * cdiv(max_seqlen_q, cfg["BLOCK_M"]),)
     if q.is_cuda:
         _set_allocator()  # tensor descriptors made on the device need a little global scratch
     _attn_fwd_kernel[grid](

@@ -139,5 +139,6 @@ def decode(
         v = gather_pages(v_cache, block_table) if paged else v_cache
         o, lse = reference_attention(q3[:, None], k, v, softmax_scale=scale, seqlens_k=cache_seqlens)
         o, lse = o[:, 0], lse[..., 0]
-    o = o.view(q.shape)
+    if q.dim() == 4:
+        o = o.view(q.shape)
     return (o, lse) if return_lse else o
