@@ -144,3 +144,16 @@ def test_linear_silu_mul_gated_gemv(I, K, device):
     plain = ops.silu_mul(torch.nn.functional.linear(x.float(), w.float()).half())
     err, err_plain = (got.double() - want).abs().max(), (plain.double() - want).abs().max()
     assert err <= 2 * err_plain + 1e-6, (err, err_plain)
+
+
+def test_host_cdiv_and_next_power_of_2_match_triton():
+    # The launch wrappers use plain-Python versions (triton's are slow constexpr functions).
+    import triton
+
+    from longctx.kernels.utils import cdiv, next_power_of_2
+
+    for n in range(0, 5000):
+        assert next_power_of_2(n) == triton.next_power_of_2(n), n
+        for d in (1, 3, 16, 64, 128):
+            assert cdiv(n, d) == triton.cdiv(n, d), (n, d)
+    assert next_power_of_2(2**40 + 1) == 2**41
