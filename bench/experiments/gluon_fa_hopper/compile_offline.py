@@ -1,9 +1,14 @@
 """Compile the Gluon Hopper attention kernel for sm_90 without a GPU and inspect it.
 
-Run from /work/main:  .venv/bin/python bench/experiments/gluon_fa_hopper/compile_offline.py [config ...]
+Run from /work/main:  .venv/bin/python bench/experiments/gluon_fa_hopper/compile_offline.py [variant ...]
+variant = <config in fa_hopper.CONFIGS>[:causal][:hf][:fp16][:spec][:g1][:NAME=int]  (hf: heads of
+one query tile adjacent, M_FASTEST=False; fp16 instead of bf16; spec: the launch's integer /
+pointer specialisation for the timed shapes (S, Hq multiples of 16); g1: spec plus GROUP == 1
+(Hq == Hkv); NAME=int: another constexpr, e.g. SINGLE=1);
+default: every config non-causal plus brief_w0_n128_s2 heads-first / causal / fp16 / S == 128.
 Prints per config: success, #wgmma / wait_group values in the PTX, the loop's op order,
 ptxas registers and spill stores/loads (bundled ptxas, -arch=sm_90a -v).
-Writes the ttgir / ptx to bench/experiments/gluon_fa_hopper/out/<config>.{ttgir,ptx}.
+Writes the ttgir / ptx / sass to bench/experiments/gluon_fa_hopper/out/<variant, ':' -> '_'>.*.
 """
 import os
 import re
@@ -29,11 +34,34 @@ def desc_sig(dtype_str, block, gl_dtype):
     return f"tensordesc<{dtype_str}[{block[0]}, {block[1]}],{layout!r}>"
 
 
-def compile_config(name, dtype_str="bf16"):
+def parse_variant(spec):
+    """'<config>[:causal][:hf][:fp16][:NAME=int]...' -> (config, causal, m_fastest, extra constexprs).
+    hf = heads first (M_FASTEST=False); fp16 instead of bf16; NAME=int sets another constexpr
+    of the kernel (e.g. SINGLE=1: the S == 128 specialisation)."""
+    parts = spec.split(":")
+    name, flags = parts[0], parts[1:]
+    assert name in fa_hopper.CONFIGS, f"unknown config {name}"
+    extra = {}
+    for f in flags:
+        if "=" in f:
+            key, val = f.split("=", 1)
+            extra[key] = int(val)
+        else:
+            assert f in ("causal", "hf", "fp16", "spec", "g1"), f"unknown flag {f}"
+    return name, "causal" in flags, "hf" not in flags, extra
+
+
+def variant_dtype(spec):
+    return "fp16" if "fp16" in spec.split(":")[1:] else "bf16"
+
+
+def compile_config(spec, dtype_str="bf16"):
+    name, causal, m_fastest, extra = parse_variant(spec)
     BLOCK_N, NUM_STAGES, SCHED = fa_hopper.CONFIGS[name]
     gdt = gl.bfloat16 if dtype_str == "bf16" else gl.float16
     fn = fa_hopper._fa_fwd_hopper_kernel
-    const = dict(BLOCK_M=128, BLOCK_N=BLOCK_N, HEAD_DIM=128, NUM_STAGES=NUM_STAGES, SCHED=SCHED)
+    const = dict(BLOCK_M=128, BLOCK_N=BLOCK_N, HEAD_DIM=128, NUM_STAGES=NUM_STAGES, SCHED=SCHED,
+                 CAUSAL=causal, M_FASTEST=m_fastest, **extra)
     sig = {
         "q_desc": desc_sig(dtype_str, [128, 128], gdt),
         "k_desc": desc_sig(dtype_str, [BLOCK_N, 128], gdt),
@@ -45,9 +73,19 @@ def compile_config(name, dtype_str="bf16"):
         "H_Q": "i32",
         "GROUP": "i32",
     }
+    flags = spec.split(":")[1:]
+    attrs = {}
+    if "spec" in flags or "g1" in flags:
+        # what a launch with the timed shapes specialises on (triton's JIT: ints divisible by
+        # 16 and 16-byte aligned pointers get tt.divisibility=16, an int equal to 1 becomes a
+        # constant): LSE aligned, S and H_Q multiples of 16; g1: GROUP == 1 (Hq == Hkv).
+        for a in ("LSE", "S", "H_Q"):
+            attrs[(fn.arg_names.index(a), )] = [["tt.divisibility", 16]]
+        if "g1" in flags:
+            const["GROUP"] = 1
     for c in const:
         sig[c] = "constexpr"
-    src = GluonASTSource(fn, sig, const)
+    src = GluonASTSource(fn, sig, const, attrs)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8, num_stages=1))
     return k
 
@@ -102,15 +140,24 @@ def loop_trace(ptx):
 def sass_trace(ptx):
     """ptxas + nvdisasm: condensed SASS order of HGMMA / DEPBAR / MUFU.EX2 / barriers.
     ptxas reschedules: this, not the PTX, says where the waits really are."""
-    bindir = os.path.dirname(PTXAS)
     with tempfile.TemporaryDirectory() as d:
         p = os.path.join(d, "k.ptx")
         with open(p, "w") as f:
             f.write(ptx)
         cub = os.path.join(d, "k.cubin")
         subprocess.run([PTXAS, "-arch=sm_90a", p, "-o", cub], capture_output=True, text=True)
-        sass = subprocess.run([os.path.join(bindir, "nvdisasm"), "-c", cub], capture_output=True,
-                              text=True).stdout
+        with open(cub, "rb") as f:
+            return cubin_trace(f.read())
+
+
+def cubin_trace(cubin):
+    """sass_trace of a cubin (bytes), e.g. a launched kernel's kernel.asm["cubin"]."""
+    with tempfile.TemporaryDirectory() as d:
+        cub = os.path.join(d, "k.cubin")
+        with open(cub, "wb") as f:
+            f.write(cubin)
+        sass = subprocess.run([os.path.join(os.path.dirname(PTXAS), "nvdisasm"), "-c", cub],
+                              capture_output=True, text=True).stdout
     toks = []
     for line in sass.splitlines():
         m = re.search(r"(HGMMA\.\S+|WARPGROUP\.DEPBAR\.LE gsb0, 0x\d|MUFU\.EX2|BAR\.SYNC|"
@@ -127,13 +174,56 @@ def sass_trace(ptx):
     return " ".join((f"{n}x{t}" if n > 1 else t) for n, t in toks), sass
 
 
+def overlap_blocks(trace):
+    """Blocks of a sass_trace in which MUFU.EX2 sit between HGMMAs with no DEPBAR (wgmma wait)
+    in between: [(label, #HGMMA, #MUFU.EX2 between the first and the last of those HGMMAs)].
+    Only windows with >= 4 HGMMAs and >= 16 exp2 count (the intended softmax/GEMM overlap)."""
+    out = []
+    for line in trace.split("\n"):
+        toks = line.split()
+        label = toks[0] if toks and toks[0].startswith(".L_x_") else "entry"
+        windows, cur = [], []
+        for t in toks:
+            if "DEPBAR" in t:
+                windows.append(cur)
+                cur = []
+            else:
+                cur.append(t)
+        windows.append(cur)
+        for w in windows:
+            idx = [i for i, t in enumerate(w) if "HGMMA" in t]
+            if len(idx) < 2:
+                continue
+            seg = w[idx[0]:idx[-1] + 1]
+            cnt = lambda key: sum(int(t.split("x", 1)[0]) if re.match(r"^\d+x", t) else 1  # noqa: E731
+                                  for t in seg if key in t)
+            nh, nm = cnt("HGMMA"), cnt("MUFU.EX2")
+            if nh >= 4 and nm >= 16:
+                out.append((label, nh, nm))
+    return out
+
+
+DEFAULT_VARIANTS = list(fa_hopper.CONFIGS) + [
+    "brief_w0_n128_s2:hf", "brief_w0_n128_s2:causal", "brief_w0_n128_s2:causal:hf",
+    "brief_w0_n128_s2:causal:fp16", "brief_w0_n128_s2:SINGLE=1", "brief_w0_n128_s2:causal:SINGLE=1",
+    # as launched by check.py's timing: 16/2 (GROUP 8) and 32/32 (GROUP 1), both grid orders
+    "brief_w0_n128_s2:spec", "brief_w0_n128_s2:g1",
+    "brief_w0_n128_s2:causal:spec", "brief_w0_n128_s2:causal:hf:spec",
+    "brief_w0_n128_s2:causal:g1", "brief_w0_n128_s2:causal:hf:g1",
+]
+
+
 def main():
-    names = sys.argv[1:] or list(fa_hopper.CONFIGS)
+    names = sys.argv[1:] or DEFAULT_VARIANTS
     os.makedirs(os.path.join(HERE, "out"), exist_ok=True)
-    for name in names:
-        print(f"===== {name}: BLOCK_N, NUM_STAGES, SCHED = {fa_hopper.CONFIGS[name]} =====")
+    for spec in names:
+        cfg, causal, m_fastest, extra = parse_variant(spec)
+        name = spec.replace(":", "_").replace("=", "")
+        print(f"===== {spec}: BLOCK_N, NUM_STAGES, SCHED = {fa_hopper.CONFIGS[cfg]}, CAUSAL={causal}, "
+              f"M_FASTEST={m_fastest}, dtype={variant_dtype(spec)}"
+              f"{''.join(f', {k}={v}' for k, v in extra.items())} =====")
         try:
-            k = compile_config(name)
+            k = compile_config(spec, variant_dtype(spec))
         except Exception as e:  # noqa: BLE001
             print("COMPILE FAILED:", type(e).__name__, str(e)[:3000])
             continue
@@ -164,6 +254,9 @@ def main():
             f.write(sass)
         print("SASS trace after ptxas (DEPBARn = WARPGROUP.DEPBAR.LE gsb0, n):")
         print(trace)
+        ov = overlap_blocks(trace)
+        print("blocks with exp2 between HGMMAs and no wgmma wait (label, #HGMMA, #MUFU.EX2):",
+              ov if ov else "NONE (no softmax/GEMM overlap)")
         print()
 
 

@@ -1,13 +1,15 @@
 """Research spike: Hopper (sm_90) FlashAttention forward in Gluon (triton 3.6.0) with
 FA3-style intra-warpgroup pipelining.
 
-Non-causal, D = 128, Sq == Sk == S (multiple of 128), GQA through Hq % Hkv == 0.
+Non-causal or causal (row i sees key j iff j <= i), D = 128, Sq == Sk == S (multiple of 128),
+GQA through Hq % Hkv == 0.
 q [B, S, Hq, D], k/v [B, S, Hkv, D] (bf16 or fp16, contiguous)
 -> o [B, S, Hq, D] (q's dtype), lse [B, Hq, S] float32 natural log.
 
 One program = BLOCK_M = 128 query rows of one (batch, head), 8 warps = two warpgroups of
-64 rows each (NVMMA v3 layout, warps_per_cta [8, 1]); program ids walk the query tiles of
-one head first.  Q is loaded once by TMA (host TensorDescriptor over the [B*S, H*D] view);
+64 rows each (NVMMA v3 layout, warps_per_cta [8, 1]).  Grid order (M_FASTEST): the query
+tiles of one head adjacent, or the heads of one query tile; causal walks the query tiles
+backwards (longest first).  Q is loaded once by TMA (host TensorDescriptor over the [B*S, H*D] view);
 K and V go through NUM_STAGES-deep shared-memory rings (TMA + one mbarrier per slot and
 tensor).  P is fed to the P@V wgmma from registers (DotOperandLayout, k_width=2).  O is
 written by a TMA store through Q's shared tile, LSE by a plain store.
@@ -26,6 +28,12 @@ Schedules (SCHED, see CONFIGS):
   2 "fa3": FA3's own order: issue S_{j+1}; O *= alpha_j; issue PV_j; wait(1); softmax of
       S_{j+1} under PV_j; wait(0).
 Whether ptxas keeps the overlap is visible only in SASS: compile_offline.py prints it.
+
+Causal (CAUSAL constexpr; brief order with BLOCK_N == BLOCK_M == 128 only): query tile m visits
+key tiles 0..m, the last one (the diagonal tile) masked, the others unmasked.  Query tile 0
+visits key tile 0 twice (2-tile path, first pass a discarded dummy) because any runtime branch
+to a 1-tile path cost the main loop its overlap in ptxas (NOTES.md).  S == 128 (one KV tile
+for every program) is a compile-time specialisation (SINGLE).
 """
 import math
 
@@ -78,6 +86,29 @@ def _softmax_step(s, m_i, l_i, qk_scale):
 
 
 @gluon.jit
+def _softmax_step_masked(s, keep, m_i, l_i, qk_scale):
+    """_softmax_step on the diagonal tile: scores where `keep` is False become -inf before the
+    row max. Rows with no visible key so far keep m = -inf and subtract 0 instead, so that
+    exp2(-inf - (-inf)) = NaN never happens (p and alpha become 0), as in kernels/prefill.py."""
+    s = gl.where(keep, s * qk_scale, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, axis=1))
+    m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
+    p = gl.exp2(s - gl.expand_dims(m_sub, 1))
+    alpha = gl.exp2(m_i - m_sub)
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    return p, alpha, m_new, l_i
+
+
+@gluon.jit
+def _causal_keep(delta, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+    """[BLOCK_M, BLOCK_N] mask of one KV tile: row r sees column c iff c <= r + delta, where
+    delta = (first query row of the tile) - (first key of the KV tile)."""
+    rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    return gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1) + delta
+
+
+@gluon.jit
 def _to_operand(p, p_layout: gl.constexpr, dtype: gl.constexpr):
     """fp32 P (S accumulator layout) -> 16-bit wgmma A operand in registers."""
     return gl.convert_layout(p.to(dtype), p_layout)
@@ -85,10 +116,11 @@ def _to_operand(p, p_layout: gl.constexpr, dtype: gl.constexpr):
 
 @gluon.jit
 def _mainloop_brief(s_cur, m_i, l_i, qk_scale, q_smem, k_smem, v_smem, k_bars, v_bars, k_desc, v_desc,
-                    kv_row, kv_col, n_tiles, s_zero,
+                    kv_row, kv_col, n_tiles, s_zero, m0, kv_step,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                    NUM_STAGES: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
-                    dtype: gl.constexpr, WAIT3: gl.constexpr):
+                    NUM_STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
+                    p_layout: gl.constexpr, dtype: gl.constexpr, WAIT3: gl.constexpr,
+                    CAUSAL: gl.constexpr):
     """The brief's order. Softmax(S_j) runs while S_{j+1} and PV_{j-1} are in flight.
 
     WAIT3 = number of wgmma groups left in flight by the wait before `O *= alpha`:
@@ -98,6 +130,11 @@ def _mainloop_brief(s_cur, m_i, l_i, qk_scale, q_smem, k_smem, v_smem, k_bars, v
          the kernel (warning C7514: each wgmma followed by a wait 0 in SASS).
       0: the wait also retires S_{j+1}; the softmax still overlaps both GEMMs, only the
          rescale + P pack + PV issue (~50 instrs) no longer overlap S_{j+1}'s tail.
+    Needs n_tiles >= 2 (tile 0 and the last tile are peeled; _single_tile does n_tiles == 1).
+    CAUSAL (BLOCK_N == BLOCK_M): only the last tile (the diagonal one, keys m0 .. m0+BLOCK_M-1)
+    is masked; tile 0 and the loop's tiles lie fully below the diagonal and run unmasked.
+    Query tile 0 (m0 == 0) comes with n_tiles == 2 and key tile 0 in both ring slots: its tile 0
+    is a dummy whose state the last tile drops (see _fa_fwd_hopper_kernel).
     """
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     # ---- tile 0, peeled (n_tiles >= 2): afterwards exactly one wgmma group (PV_0) is in
@@ -157,9 +194,19 @@ def _mainloop_brief(s_cur, m_i, l_i, qk_scale, q_smem, k_smem, v_smem, k_bars, v
         _copy(k_desc, k_smem, k_bars, k_t, kv_row, kv_col, BLOCK_N, NUM_STAGES, k_t < n_tiles)
         _copy(v_desc, v_smem, v_bars, v_t, kv_row, kv_col, BLOCK_N, NUM_STAGES, v_t < n_tiles)
 
-    # ---- last tile (no S_next) ---------------------------------------------------------
+    # ---- last tile (no S_next); causal: the diagonal tile (keys m0 .. m0 + BLOCK_M - 1) ---
     j = n_tiles - 1
-    p, alpha, m_i, l_i = _softmax_step(s_cur, m_i, l_i, qk_scale)
+    if CAUSAL:
+        # query tile 0 ran key tile 0 unmasked as its tile 0 (a dummy, see the kernel): drop
+        # that state (m = -inf makes alpha = 0, so l and O restart from this tile).
+        m_i = gl.where(m0 == 0, float("-inf"), m_i)
+        # delta = m0 - (first key of this tile) is always 0 here, but stays a runtime value on
+        # purpose: with the literal 0 (mask = col <= row, thread-index only) ptxas serializes
+        # every wgmma of the kernel (C7511) and spills 312 B; cause not pinned down (NOTES.md).
+        keep = _causal_keep(m0 - j * kv_step, BLOCK_M, BLOCK_N, s_layout)
+        p, alpha, m_i, l_i = _softmax_step_masked(s_cur, keep, m_i, l_i, qk_scale)
+    else:
+        p, alpha, m_i, l_i = _softmax_step(s_cur, m_i, l_i, qk_scale)
     acc, p_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_prev))
     p_op = _to_operand(p, p_layout, dtype)
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
@@ -167,6 +214,26 @@ def _mainloop_brief(s_cur, m_i, l_i, qk_scale, q_smem, k_smem, v_smem, k_bars, v
     mbarrier.wait(v_bars.index(cslot), (j // NUM_STAGES) & 1)
     acc = warpgroup_mma(p_op, v_smem.index(cslot), acc, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    return acc, m_i, l_i
+
+
+@gluon.jit
+def _single_tile(s_cur, m_i, l_i, qk_scale, v_smem, v_bars, m0,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                 s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
+                 dtype: gl.constexpr, CAUSAL: gl.constexpr):
+    """n_tiles == 1 (the SINGLE specialisation, S == BLOCK_N): softmax of S_0 (masked when
+    causal: tile 0 is then the diagonal tile), O = P_0 V_0. Nothing is in flight on entry."""
+    if CAUSAL:
+        keep = _causal_keep(m0, BLOCK_M, BLOCK_N, s_layout)
+        p, alpha, m_i, l_i = _softmax_step_masked(s_cur, keep, m_i, l_i, qk_scale)
+    else:
+        p, alpha, m_i, l_i = _softmax_step(s_cur, m_i, l_i, qk_scale)
+    p_op = _to_operand(p, p_layout, dtype)
+    mbarrier.wait(v_bars.index(0), 0)
+    acc = warpgroup_mma(p_op, v_smem.index(0), gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout),
+                        use_acc=False, is_async=True)
+    acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
     return acc, m_i, l_i
 
 
@@ -232,23 +299,50 @@ def _fa_fwd_hopper_kernel(
     S, H_Q, GROUP,            # seq len, q heads, Hq // Hkv
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
     NUM_STAGES: gl.constexpr, SCHED: gl.constexpr,
+    CAUSAL: gl.constexpr = False, M_FASTEST: gl.constexpr = True, SINGLE: gl.constexpr = False,
 ):
     gl.static_assert(BLOCK_M == 128)
+    # causal: only the last visited tile is the diagonal one (masked), and the brief order
+    # peels exactly that tile; FA3's order softmaxes the last tile inside its loop.
+    gl.static_assert((not CAUSAL) or (BLOCK_N == BLOCK_M and SCHED != 2))
     dtype: gl.constexpr = q_desc.dtype
 
-    # ---- program -> (batch*head, query tile), query tiles of one head adjacent ----------
+    # ---- program -> (batch*head, query tile) ----------------------------------------------
+    # M_FASTEST: the query tiles of one head adjacent; else the heads of one query tile.
+    # Causal: query tiles walked backwards (most expensive, last tiles scheduled first).
     pid = gl.program_id(0)
     num_m = S // BLOCK_M
-    bh = pid // num_m
-    m_tile = pid % num_m
+    if M_FASTEST:
+        bh = pid // num_m
+        m_tile = pid % num_m
+    else:
+        num_bh = gl.num_programs(0) // num_m
+        bh = pid % num_bh
+        m_tile = pid // num_bh
+    if CAUSAL:
+        m_tile = num_m - 1 - m_tile
     b = bh // H_Q
     h = bh % H_Q
     kvh = h // GROUP
-    q_row = b * S + m_tile * BLOCK_M      # row of the [B*S, Hq*D] view
+    m0 = m_tile * BLOCK_M                 # first query row of the tile within the sequence
+    q_row = b * S + m0                    # row of the [B*S, Hq*D] view
     kv_row = b * S                        # first row of this batch in the [B*S, Hkv*D] view
     q_col = h * HEAD_DIM
     kv_col = kvh * HEAD_DIM
-    n_tiles = S // BLOCK_N
+    if SINGLE:
+        n_tiles = 1                           # S == BLOCK_N: every program sees one KV tile
+        kv_step = BLOCK_N
+    elif CAUSAL:
+        # KV tiles with visible keys, the last one the diagonal tile. Query tile 0 sees only
+        # key tile 0, but a runtime branch to a 1-tile path (or masking tile 0 before the
+        # loop) costs the loop its overlap in ptxas (NOTES.md). So it runs the 2-tile path
+        # on key tile 0 twice: ring position 1 loads key tile 0 again (kv_step = 0), tile 0
+        # runs unmasked as a dummy and the last (masked) tile drops its state.
+        n_tiles = gl.maximum((m0 + BLOCK_M) // BLOCK_N, 2)
+        kv_step = gl.where(m0 == 0, 0, BLOCK_N)
+    else:
+        n_tiles = S // BLOCK_N
+        kv_step = BLOCK_N
 
     # ---- layouts ------------------------------------------------------------------------
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
@@ -276,8 +370,14 @@ def _fa_fwd_hopper_kernel(
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_smem)
     for t in gl.static_range(NUM_STAGES):
-        _issue_kv(k_desc, k_smem, k_bars, t, kv_row, kv_col, BLOCK_N, NUM_STAGES, t < n_tiles)
-        _issue_kv(v_desc, v_smem, v_bars, t, kv_row, kv_col, BLOCK_N, NUM_STAGES, t < n_tiles)
+        if CAUSAL:
+            # key tile t, except for query tile 0: key tile 0 in every slot (kv_step = 0); with
+            # n_tiles == 2 no later load happens for it
+            row0 = kv_row + t * (kv_step - BLOCK_N)
+        else:
+            row0 = kv_row
+        _issue_kv(k_desc, k_smem, k_bars, t, row0, kv_col, BLOCK_N, NUM_STAGES, t < n_tiles)
+        _issue_kv(v_desc, v_smem, v_bars, t, row0, kv_col, BLOCK_N, NUM_STAGES, t < n_tiles)
 
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
     l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
@@ -293,22 +393,43 @@ def _fa_fwd_hopper_kernel(
         acc, m_i, l_i = _mainloop_fa3(s_cur, m_i, l_i, qk_scale, q_smem, k_smem, v_smem, k_bars, v_bars,
                                       k_desc, v_desc, kv_row, kv_col, n_tiles, s_zero,
                                       BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, o_layout, p_layout, dtype)
+    elif SINGLE:
+        acc, m_i, l_i = _single_tile(s_cur, m_i, l_i, qk_scale, v_smem, v_bars, m0,
+                                     BLOCK_M, BLOCK_N, HEAD_DIM, s_layout, o_layout, p_layout, dtype,
+                                     CAUSAL)
     else:
-        acc, m_i, l_i = _mainloop_brief(s_cur, m_i, l_i, qk_scale, q_smem, k_smem, v_smem, k_bars, v_bars,
-                                        k_desc, v_desc, kv_row, kv_col, n_tiles, s_zero,
-                                        BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, o_layout, p_layout, dtype,
-                                        1 - SCHED)
+        acc, m_i, l_i = _mainloop_brief(s_cur, m_i, l_i, qk_scale, q_smem, k_smem, v_smem, k_bars,
+                                        v_bars, k_desc, v_desc, kv_row, kv_col, n_tiles, s_zero, m0,
+                                        kv_step, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, s_layout, o_layout,
+                                        p_layout, dtype, 1 - SCHED, CAUSAL)
+    _epilogue(acc, m_i, l_i, q_bar, k_bars, v_bars, q_smem, o_desc, LSE, bh, S, m0, q_row, q_col,
+              BLOCK_M, NUM_STAGES, s_layout, o_layout, dtype, CAUSAL)
 
+
+@gluon.jit
+def _epilogue(acc, m_i, l_i, q_bar, k_bars, v_bars, q_smem, o_desc, LSE, bh, S, m0, q_row, q_col,
+              BLOCK_M: gl.constexpr, NUM_STAGES: gl.constexpr, s_layout: gl.constexpr,
+              o_layout: gl.constexpr, dtype: gl.constexpr, CAUSAL: gl.constexpr):
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     mbarrier.invalidate(q_bar)
     for i in gl.static_range(NUM_STAGES):
         mbarrier.invalidate(k_bars.index(i))
         mbarrier.invalidate(v_bars.index(i))
 
-    # ---- epilogue: O /= l, LSE = (m + log2 l) * ln2 -------------------------------------
-    l_o = gl.convert_layout(l_i, row_o)
-    acc = acc / gl.expand_dims(l_o, 1)
-    lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
-    offs_m = m_tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_s)
+    # ---- O /= l, LSE = (m + log2 l) * ln2 ----------------------------------------------
+    if CAUSAL:
+        # rows that saw no key (none when Sq == Sk): O = 0, LSE = -inf, as kernels/prefill.py
+        empty = l_i == 0.0
+        l_i = gl.where(empty, 1.0, l_i)
+        l_o = gl.convert_layout(l_i, row_o)
+        acc = acc / gl.expand_dims(l_o, 1)
+        lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_i)) * 0.6931471805599453)
+    else:
+        l_o = gl.convert_layout(l_i, row_o)
+        acc = acc / gl.expand_dims(l_o, 1)
+        lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
+    offs_m = m0 + gl.arange(0, BLOCK_M, layout=row_s)
     gl.store(LSE + bh.to(gl.int64) * S + offs_m, lse)
 
     # O through Q's shared tile (no wgmma reads it any more) and a TMA store.
@@ -332,7 +453,20 @@ CONFIGS = {
     "fa3_n64_s3": (64, 3, 2),
     "fa3_n128_s2": (128, 2, 2),
 }
-DEFAULT_CONFIG = None  # None: brief_w0_n128_s2 when S >= 256, else brief_w0_n64_s3
+DEFAULT_CONFIG = "brief_w0_n128_s2"
+# Same rule as kernels/prefill.py: causal runs put the heads of one query tile side by side
+# unless one KV head's K+V reach 16 MiB; non-causal runs the query tiles of one head.
+_L2_KV_HEAD_BYTES = 16 << 20
+LAST_KERNEL = None  # the CompiledKernel of the last gluon_attention launch (check.py reports it)
+
+
+def supports_causal(config):
+    BLOCK_N, _, SCHED = CONFIGS[config]
+    return BLOCK_N == 128 and SCHED != 2
+
+
+def default_m_fastest(causal, S, D, dtype):
+    return (not causal) or 2 * S * D * dtype.itemsize >= _L2_KV_HEAD_BYTES
 
 
 def make_descs(q, k, v, o, BLOCK_M, BLOCK_N):
@@ -352,10 +486,14 @@ def make_descs(q, k, v, o, BLOCK_M, BLOCK_N):
     return q_desc, k_desc, v_desc, o_desc
 
 
-def gluon_attention(q, k, v, softmax_scale=None, config=DEFAULT_CONFIG):
-    """o, lse = attention(q, k, v) (non-causal). q [B,S,Hq,128], k/v [B,S,Hkv,128]."""
+def gluon_attention(q, k, v, softmax_scale=None, config=DEFAULT_CONFIG, causal=False, m_fastest=None):
+    """o, lse = attention(q, k, v). q [B,S,Hq,128], k/v [B,S,Hkv,128], S a multiple of 128.
+
+    causal: row i sees key j iff j <= i (Sq == Sk), brief_w0_n128_s2 only (supports_causal).
+    m_fastest: grid order, True = the query tiles of one head adjacent, False = the heads of one
+    query tile adjacent; None = default_m_fastest (the library's rule)."""
     if config is None:
-        config = "brief_w0_n128_s2" if q.shape[1] >= 256 else "brief_w0_n64_s3"
+        config = DEFAULT_CONFIG
     BLOCK_N, NUM_STAGES, SCHED = CONFIGS[config]
     BLOCK_M = 128
     assert q.dtype in _GL_DTYPE and k.dtype == q.dtype and v.dtype == q.dtype
@@ -365,14 +503,19 @@ def gluon_attention(q, k, v, softmax_scale=None, config=DEFAULT_CONFIG):
     Hkv = k.shape[2]
     assert D == 128, "spike supports head_dim 128 only"
     assert Hq % Hkv == 0
-    assert S % BLOCK_M == 0 and S % BLOCK_N == 0, "S must be a multiple of 128"
-    assert S >= 2 * BLOCK_N, "the kernel peels the first KV tile: needs >= 2 KV tiles"
+    assert S >= BLOCK_M and S % BLOCK_M == 0 and S % BLOCK_N == 0, "S must be a multiple of 128"
+    if causal and not supports_causal(config):
+        raise ValueError(f"config {config} has no causal path (needs BLOCK_N=128, brief order)")
+    if m_fastest is None:
+        m_fastest = default_m_fastest(causal, S, D, q.dtype)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
     o = torch.empty_like(q)
     lse = torch.empty((B, Hq, S), dtype=torch.float32, device=q.device)
     q_desc, k_desc, v_desc, o_desc = make_descs(q, k, v, o, BLOCK_M, BLOCK_N)
     grid = ((S // BLOCK_M) * B * Hq, )
-    _fa_fwd_hopper_kernel[grid](
+    global LAST_KERNEL
+    LAST_KERNEL = _fa_fwd_hopper_kernel[grid](
         q_desc, k_desc, v_desc, o_desc, lse, scale * _LOG2E, S, Hq, Hq // Hkv,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=D, NUM_STAGES=NUM_STAGES, SCHED=SCHED, num_warps=8)
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=D, NUM_STAGES=NUM_STAGES, SCHED=SCHED,
+        CAUSAL=bool(causal), M_FASTEST=bool(m_fastest), SINGLE=(S == BLOCK_N), num_warps=8)
     return o, lse
