@@ -20,9 +20,24 @@ Features
   offset tensors live in registers.
 * Online softmax in fp32 using ``exp2`` with ``softmax_scale * log2(e)``
   folded into one multiplier; the returned LSE is the natural-log LSE.
+
+Hopper path
+-----------
+On sm_90 GPUs `flash_attention_fwd` hands the calls that `hopper_kernel_applies` accepts to a
+Gluon kernel (kernels/prefill_hopper.py, imported on first use) whose softmax runs under the
+next tile's tensor-core work within each warpgroup, which Triton's pipeliner does not do: bf16 /
+fp16, head_dim 128, dense, Sq and Sk multiples of 128, no mask or the plain causal diagonal
+(Sq == Sk, equal int offsets; causal only above 4096 query rows: at 4096 this kernel measured
+faster), with or without the fused merge. Everything else, and every call with
+``LONGCTX_PREFILL_KERNEL=triton`` in the environment (for A/B runs), runs the Triton kernel
+below; so do calls under the interpreter, with ``_config``, and on other GPUs.
 """
 
 from __future__ import annotations
+
+import functools
+import os
+from types import ModuleType
 
 import torch
 import triton
@@ -33,7 +48,7 @@ from longctx.checks import check_accumulator
 from longctx.kernels.merge import _rescale, _state_lse
 from longctx.kernels.utils import cdiv, next_power_of_2
 
-__all__ = ["flash_attention_fwd"]
+__all__ = ["flash_attention_fwd", "hopper_kernel_applies"]
 
 _INTERPRET = interpreter_active()
 _LOG2E = 1.4426950408889634
@@ -382,6 +397,119 @@ def _set_allocator() -> None:
     triton.set_allocator(_alloc_scratch)
 
 
+# --------------------------------------------------------------------------- #
+# Hopper path (kernels/prefill_hopper.py)
+# --------------------------------------------------------------------------- #
+# Causal calls up to this many query rows stay on the Triton kernel: at 16/2 heads and 4096
+# tokens it measured 454 TFLOPS against the Gluon kernel's 406 on an H100 (BENCHMARKS.md,
+# "Session 8 experiment: the overlap in Gluon").
+_CAUSAL_TRITON_MAX_SEQLEN_Q = 4096
+_PREFILL_KERNEL_ENV = "LONGCTX_PREFILL_KERNEL"
+
+
+def _tma_rows(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int, data_ptr: int
+              ) -> bool:
+    """Whether x [B, S, H, D] is the 2-D TMA tensor [B * S, H * D] with row stride x's seq stride:
+    unit head_dim stride, head stride D, rows that do not overlap, batch stride S * seq stride
+    (or B == 1), 16-byte aligned base and row stride."""
+    b, s, h, d = shape
+    sb, ss, sh, sd = strides
+    return (sd == 1 and sh == d and ss >= h * d and (b == 1 or sb == s * ss)
+            and ss * itemsize % 16 == 0 and data_ptr % 16 == 0)
+
+
+def hopper_kernel_applies(
+    *,
+    dtypes: tuple[torch.dtype, torch.dtype, torch.dtype],
+    shapes: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]],
+    strides: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]],
+    data_ptrs: tuple[int, int, int],
+    capability: tuple[int, int] | None,
+    causal: bool,
+    q_start: int | torch.Tensor,
+    k_start: int | torch.Tensor,
+    varlen: bool,
+    config_given: bool,
+    accumulate_strides: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
+) -> bool:
+    """Whether a `flash_attention_fwd` call runs the Gluon Hopper kernel (kernels/prefill_hopper.py).
+
+    dtypes, shapes, strides, data_ptrs: of q, k, v; capability: the CUDA device's (None off
+    CUDA); accumulate_strides: (o_acc's, lse_acc's) strides when merging into a running state.
+    Pure (no device queries), so that the rule is testable on a CPU. The caller also requires
+    CUDA tensors, no Triton interpreter and LONGCTX_PREFILL_KERNEL != "triton".
+
+    True for: capability (9, 0); no ``_config``; dense; bf16 / fp16; head_dim 128; Sq and Sk
+    multiples of 128; q, k, v whose (batch, seq) rows form a 2-D TMA tensor (`_tma_rows`);
+    without a mask any Sq, Sk; causal only as the plain diagonal (Sq == Sk and q_start ==
+    k_start as python ints) and above 4096 query rows (measured rule); an accumulator whose
+    rows are addressed the same way (batch stride Sq * seq stride, or B == 1).
+    """
+    q_shape, k_shape, _ = shapes
+    if capability != (9, 0) or config_given or varlen:
+        return False
+    if dtypes[0] not in (torch.bfloat16, torch.float16) or len(set(dtypes)) != 1:
+        return False
+    batch, sq, _, d = q_shape
+    sk = k_shape[1]
+    if d != 128 or 0 in (*q_shape, *k_shape) or sq % 128 or sk % 128:
+        return False
+    itemsize = dtypes[0].itemsize
+    if not all(_tma_rows(sh, st, itemsize, p) for sh, st, p in zip(shapes, strides, data_ptrs)):
+        return False
+    if causal:
+        ints = all(isinstance(x, int) for x in (q_start, k_start))
+        if not (ints and q_start == k_start and sq == sk and sq > _CAUSAL_TRITON_MAX_SEQLEN_Q):
+            return False
+    if accumulate_strides is not None and batch > 1:
+        (sob, sos, *_), (slb, sls, _) = accumulate_strides
+        return sob == sq * sos and slb == sq * sls
+    return True
+
+
+def _prefill_kernel_choice() -> str:
+    """LONGCTX_PREFILL_KERNEL: unset, "" or "auto" (the Hopper kernel where it applies) or
+    "triton" (always the Triton kernel, e.g. for A/B runs)."""
+    value = os.environ.get(_PREFILL_KERNEL_ENV, "") or "auto"
+    if value not in ("auto", "triton"):
+        raise ValueError(f"{_PREFILL_KERNEL_ENV} must be 'auto' or 'triton' (or unset), got {value!r}")
+    return value
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
+@functools.lru_cache(maxsize=None)
+def _hopper_module() -> ModuleType | None:
+    """kernels/prefill_hopper.py, imported on first use only (it needs Gluon, which has no
+    interpreter); None where this Triton cannot import it."""
+    try:
+        from longctx.kernels import prefill_hopper
+    except ImportError:
+        return None
+    return prefill_hopper
+
+
+def _hopper_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                 q_start: int | torch.Tensor, k_start: int | torch.Tensor, varlen: bool,
+                 accumulate: tuple[torch.Tensor, torch.Tensor] | None,
+                 config_given: bool) -> ModuleType | None:
+    """The Hopper kernel's module if this call runs it, else None."""
+    if not q.is_cuda or _INTERPRET or _prefill_kernel_choice() == "triton":
+        return None
+    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    applies = hopper_kernel_applies(
+        dtypes=(q.dtype, k.dtype, v.dtype), shapes=(q.shape, k.shape, v.shape),
+        strides=(q.stride(), k.stride(), v.stride()),
+        data_ptrs=(q.data_ptr(), k.data_ptr(), v.data_ptr()), capability=_capability(index),
+        causal=bool(causal), q_start=q_start, k_start=k_start, varlen=varlen,
+        config_given=config_given,
+        accumulate_strides=None if accumulate is None else tuple(t.stride() for t in accumulate))
+    return _hopper_module() if applies else None
+
+
 def flash_attention_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -418,16 +546,27 @@ def flash_attention_fwd(
     place and nothing is returned (no partial O is written: a ring step's fused merge).
 
     ``_config`` (testing and tuning): {"BLOCK_M", "BLOCK_N", "num_warps", "num_stages",
-    "M_FASTEST"[, "maxnreg"]} instead of `launch_config`'s choice.
+    "M_FASTEST"[, "maxnreg"]} instead of `launch_config`'s choice (always the Triton kernel).
+
+    On sm_90 GPUs the calls `hopper_kernel_applies` accepts run kernels/prefill_hopper.py's
+    Gluon kernel instead (same contract); ``LONGCTX_PREFILL_KERNEL=triton`` in the environment
+    keeps every call on the Triton kernel.
     """
     # Inputs are validated by longctx.attention (shapes, dtypes, devices, GQA, head_dim, and a
     # unit head_dim stride); only what the kernel itself relies on is asserted here.
     is_varlen = cu_seqlens_q is not None
     if any(t.stride(-1) != 1 for t in (q, k, v)):
         raise ValueError("q, k, v need unit stride in head_dim (the tiles move by TMA)")
-    if is_varlen:
-        if accumulate is not None:
+    if accumulate is not None:
+        if is_varlen:
             raise ValueError("accumulate is for dense inputs only")
+        check_accumulator(*accumulate, q)  # float32 for every q dtype the kernels take
+    hopper = _hopper_path(q, k, v, causal, q_start, k_start, is_varlen, accumulate,
+                          _config is not None)
+    if hopper is not None:
+        return hopper.hopper_attention_fwd(q, k, v, softmax_scale=softmax_scale, causal=bool(causal),
+                                           q_start=q_start, k_start=k_start, accumulate=accumulate)
+    if is_varlen:
         if max_seqlen_q is None or max_seqlen_k is None:
             raise ValueError("varlen needs max_seqlen_q and max_seqlen_k (sizes the grid)")
         batch = cu_seqlens_q.numel() - 1
@@ -456,7 +595,6 @@ def flash_attention_fwd(
             sl_b, sl_h, sl_s = lse.stride(0), lse.stride(1), 1
         else:
             o, lse = accumulate
-            check_accumulator(o, lse, q)  # float32 for every q dtype the kernel takes
             sl_b, sl_s, sl_h = lse.stride()
         so_b, so_s, so_h, _ = o.stride()
         seqlen_q_dense, seqlen_k_dense = sq, sk
