@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from collections.abc import Callable
 from datetime import datetime, timezone
@@ -316,7 +317,9 @@ def environment() -> dict:
     commit = code_commit()
     return {"device": torch.cuda.get_device_name(), "date": datetime.now(timezone.utc).isoformat(),
             "commit": commit, "torch": torch.__version__, "triton": triton.__version__,
-            "sms": torch.cuda.get_device_properties(0).multi_processor_count}
+            "sms": torch.cuda.get_device_properties(0).multi_processor_count,
+            # "triton" keeps prefill off the Gluon Hopper kernel (kernels/prefill.py)
+            "prefill_kernel": os.environ.get("LONGCTX_PREFILL_KERNEL") or "auto"}
 
 
 @hydra.main(config_path="../configs", config_name="bench", version_base="1.3")
@@ -330,7 +333,8 @@ def main(cfg: DictConfig) -> None:
         torch._dynamo.config.recompile_limit = 256
     torch.manual_seed(0)
     env = environment()
-    print(f"{env['device']} | torch {env['torch']} | triton {env['triton']} | commit {env['commit']}")
+    print(f"{env['device']} | torch {env['torch']} | triton {env['triton']} | commit {env['commit']} "
+          f"| prefill kernel {env['prefill_kernel']}")
     result = run_decode(cfg) if cfg.case == "decode" else run_prefill(cfg)
     case_cfg = cfg[cfg.case]
     out = Path(cfg.output_dir)
