@@ -59,8 +59,8 @@ def attention(
         o shaped like q, in q's dtype; with return_lse also the LSE, float32 natural log,
         [B, Hq, Sq] (varlen: [Hq, total_q]). Rows that see no key give O = 0 and LSE = -inf.
 
-    Backend: CUDA tensors run the Triton FlashAttention kernel (longctx.kernels.prefill); CPU
-    tensors the exact torch reference.
+    Backend: CUDA tensors run the Triton FlashAttention kernel (longctx.kernels.prefill; on
+    Hopper GPUs its Gluon fast path where that applies); CPU tensors the exact torch reference.
     """
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
     if varlen and (cu_seqlens_q is None or cu_seqlens_k is None):
@@ -124,8 +124,9 @@ def attention_merge_into(
         lse_acc: [B, Sq, Hq] float32 running LSE (start at -inf: the empty state).
         q, k, v, causal, softmax_scale, q_start, k_start: as in `attention` (dense layout).
 
-    Backend: CUDA tensors run the Triton kernel with the merge in its epilogue (the merge
-    layer's rule, kernels/merge.py); CPU tensors run `attention` and then `merge_into`.
+    Backend: CUDA tensors run the prefill kernel (as `attention`) with the merge in its epilogue
+    (the merge layer's rule, kernels/merge.py); CPU tensors run `attention` and then
+    `merge_into`.
     """
     check_attention_inputs(q, k, v, softmax_scale)
     check_offset(q_start, "q_start", q.shape[0], q.device)
