@@ -27,8 +27,8 @@ On sm_90 GPUs `flash_attention_fwd` hands the calls that `hopper_kernel_applies`
 Gluon kernel (kernels/prefill_hopper.py, imported on first use) whose softmax runs under the
 next tile's tensor-core work within each warpgroup, which Triton's pipeliner does not do: bf16 /
 fp16, head_dim 128, dense, Sq and Sk multiples of 128, no mask or the plain causal diagonal
-(Sq == Sk, equal int offsets; causal only above 4096 query rows: at 4096 this kernel measured
-faster), with or without the fused merge. Everything else, and every call with
+(Sq == Sk, equal int offsets; causal only above 4096 query rows: at 4096 the Triton kernel
+below measured faster), with or without the fused merge. Everything else, and every call with
 ``LONGCTX_PREFILL_KERNEL=triton`` in the environment (for A/B runs), runs the Triton kernel
 below; so do calls under the interpreter, with ``_config``, and on other GPUs.
 """
