@@ -16,15 +16,14 @@ once replays correctly as sequences grow.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from longctx.backend import interpreter_active
 from longctx.kernels.merge import merge_states_triton
-from longctx.kernels.utils import cdiv, device_sms, next_power_of_2, pdl_launch, pdl_wait
+from longctx.kernels.utils import (cdiv, device_name, device_sms, next_power_of_2, pdl_launch,
+                                   pdl_wait)
 
 __all__ = ["flash_decode", "flash_decode_partials", "choose_num_splits"]
 
@@ -208,20 +207,8 @@ def _launch_config(head_dim: int, dtype: torch.dtype, block_h: int, keys_per_spl
         return 32, 8 if block_h * head_dim >= 64 * 128 else 4, 2
     num_warps = 8 if block_h * head_dim >= 64 * 128 else 4
     if keys_per_split >= 1024:
-        return (64 if _is_h100(device) else 128), num_warps, 3
+        return (64 if "H100" in device_name(device) else 128), num_warps, 3
     return 64, num_warps, 2 if keys_per_split <= 256 else 3
-
-
-def _is_h100(device: torch.device) -> bool:
-    if device.type != "cuda":
-        return False
-    return "H100" in _device_name(device.index if device.index is not None
-                                  else torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=None)
-def _device_name(index: int) -> str:
-    return torch.cuda.get_device_name(index)
 
 
 def flash_decode_partials(

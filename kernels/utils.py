@@ -29,11 +29,26 @@ def num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+def cuda_index(device: torch.device) -> int:
+    """The index of a CUDA device ("cuda" without one: the current device)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def device_sms(device: torch.device) -> int:
     """SM count of `device`; a nominal 132 (an H100) for CPU tensors under the interpreter."""
     if device.type != "cuda":
         return 132
-    return num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return num_sms(cuda_index(device))
+
+
+@functools.lru_cache(maxsize=None)
+def _device_name(device_index: int) -> str:
+    return torch.cuda.get_device_name(device_index)
+
+
+def device_name(device: torch.device) -> str:
+    """Name of a CUDA device (cached; no sync); "" for other devices."""
+    return _device_name(cuda_index(device)) if device.type == "cuda" else ""
 
 
 _pdl_off = False
@@ -73,8 +88,7 @@ def pdl_launch(device: torch.device) -> dict:
     """
     if device.type != "cuda" or _pdl_off or os.environ.get("LONGCTX_PDL", "1") == "0":
         return {"USE_PDL": False}
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return {"USE_PDL": True, "launch_pdl": True} if _has_pdl(index) else {"USE_PDL": False}
+    return {"USE_PDL": True, "launch_pdl": True} if _has_pdl(cuda_index(device)) else {"USE_PDL": False}
 
 
 @triton.jit

@@ -12,7 +12,7 @@ import pytest
 import torch
 import triton
 
-import longctx.kernels.decode as decode_kernels
+import longctx.kernels.utils as kernel_utils
 from longctx import merge_states
 from longctx.kernels.decode import (
     _MAX_BLOCK_H, _launch_config, choose_num_splits, flash_decode, flash_decode_partials,
@@ -238,7 +238,7 @@ def test_launch_config_by_gpu(monkeypatch):
     """64-key blocks from 1024 keys per split on GPUs named H100, 128 on others (measured);
     64 below 1024 keys everywhere. The device name is stubbed: no GPU needed."""
     names = {0: "NVIDIA H100 80GB HBM3", 1: "NVIDIA H200"}
-    monkeypatch.setattr(decode_kernels, "_device_name", lambda index: names[index])
+    monkeypatch.setattr(kernel_utils, "_device_name", lambda index: names[index])
     h100, h200 = torch.device("cuda", 0), torch.device("cuda", 1)
     assert _launch_config(128, torch.float16, 16, 1024, h100) == (64, 4, 3)
     assert _launch_config(128, torch.bfloat16, 16, 65536, h100) == (64, 4, 3)

@@ -1,6 +1,6 @@
 """Compile the Gluon Hopper attention kernel for sm_90 without a GPU and inspect it.
 
-Run from /work/main:  .venv/bin/python bench/experiments/gluon_fa_hopper/compile_offline.py [variant ...]
+Run from the repository root:  python bench/experiments/gluon_fa_hopper/compile_offline.py [variant ...]
 variant = <config in fa_hopper.CONFIGS>[:causal][:hf][:fp16][:spec][:g1][:NAME=int]  (hf: heads of
 one query tile adjacent, M_FASTEST=False; fp16 instead of bf16; spec: the launch's integer /
 pointer specialisation for the timed shapes (S, Hq multiples of 16); g1: spec plus GROUP == 1

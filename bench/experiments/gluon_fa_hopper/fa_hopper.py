@@ -76,6 +76,18 @@ def _issue_kv(desc, smem, bars, tile, row0, col, BLOCK_N: gl.constexpr, NUM_STAG
 
 
 @gluon.jit
+def _refill_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, k_t, v_t, n_tiles, kv_row, kv_col,
+               BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """Load K tile k_t and V tile v_t (those < n_tiles) into their ring slots once every warp
+    of the CTA is done reading the tiles they replace (the barrier between arming and copying)."""
+    _expect(k_desc, k_bars, k_t, NUM_STAGES, k_t < n_tiles)
+    _expect(v_desc, v_bars, v_t, NUM_STAGES, v_t < n_tiles)
+    gl.thread_barrier()
+    _copy(k_desc, k_smem, k_bars, k_t, kv_row, kv_col, BLOCK_N, NUM_STAGES, k_t < n_tiles)
+    _copy(v_desc, v_smem, v_bars, v_t, kv_row, kv_col, BLOCK_N, NUM_STAGES, v_t < n_tiles)
+
+
+@gluon.jit
 def _softmax_step(s, m_i, l_i, qk_scale):
     """Online softmax of one score tile (fp32, raw Q K^T); returns P (fp32), alpha, m, l."""
     m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
@@ -188,11 +200,8 @@ def _mainloop_brief(s_cur, m_i, l_i, qk_scale, q_smem, k_smem, v_smem, k_bars, v
         # makes that true for both warpgroups before the TMA overwrites the slots.
         k_t = nxt + NUM_STAGES
         v_t = j - 1 + NUM_STAGES
-        _expect(k_desc, k_bars, k_t, NUM_STAGES, k_t < n_tiles)
-        _expect(v_desc, v_bars, v_t, NUM_STAGES, v_t < n_tiles)
-        gl.thread_barrier()
-        _copy(k_desc, k_smem, k_bars, k_t, kv_row, kv_col, BLOCK_N, NUM_STAGES, k_t < n_tiles)
-        _copy(v_desc, v_smem, v_bars, v_t, kv_row, kv_col, BLOCK_N, NUM_STAGES, v_t < n_tiles)
+        _refill_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, k_t, v_t, n_tiles, kv_row,
+                   kv_col, BLOCK_N, NUM_STAGES)
 
     # ---- last tile (no S_next); causal: the diagonal tile (keys m0 .. m0 + BLOCK_M - 1) ---
     j = n_tiles - 1
@@ -275,11 +284,8 @@ def _mainloop_fa3(s_cur, m_i, l_i, qk_scale, q_smem, k_smem, v_smem, k_bars, v_b
         # release K_{j+1}, V_j
         k_t = nxt + NUM_STAGES
         v_t = j + NUM_STAGES
-        _expect(k_desc, k_bars, k_t, NUM_STAGES, k_t < n_tiles)
-        _expect(v_desc, v_bars, v_t, NUM_STAGES, v_t < n_tiles)
-        gl.thread_barrier()
-        _copy(k_desc, k_smem, k_bars, k_t, kv_row, kv_col, BLOCK_N, NUM_STAGES, k_t < n_tiles)
-        _copy(v_desc, v_smem, v_bars, v_t, kv_row, kv_col, BLOCK_N, NUM_STAGES, v_t < n_tiles)
+        _refill_kv(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, k_t, v_t, n_tiles, kv_row,
+                   kv_col, BLOCK_N, NUM_STAGES)
 
     j = n_tiles - 1
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
