@@ -1,24 +1,25 @@
 """Offline sm_90 compile check of the Gluon Hopper prefill kernel (kernels/prefill_hopper.py).
 
-    python bench/compile_prefill_hopper.py [--sass DIR] [-j JOBS]
+    python bench/compile_prefill_hopper.py [--sass DIR] [-j JOBS] [-k TEXT]
 
 No GPU needed. For every kernel variant the dispatch (`hopper_kernel_applies`) can launch --
-bf16 / fp16, causal or not, output or accumulate (the ring's fused merge), one key tile (SINGLE)
-or many, GQA group 1 / 3 / 8 / 16 with query-head counts 1, 12, 16, 32, 64 -- it builds the
-launch arguments with the launcher's own `launch_args` on CPU tensors and lets Triton's own
-binder specialise them for an sm_90 target (integers equal to 1 become constants, multiples of
-16 and 16-byte aligned pointers get divisibility hints), so each compiled kernel is the one such
-a launch gets. Prints per kernel:
+bf16 / fp16, causal or not, output or accumulate (the ring's fused merge), one key tile or many,
+GQA group 1 / 3 / 8 / 16 with query-head counts 1, 12, 16, 32, 64 -- it builds the launch
+arguments with the launcher's own `launch_args` on CPU tensors and lets Triton's own binder
+specialise them for an sm_90 target (integers equal to 1 become constants, multiples of 16 and
+16-byte aligned pointers get divisibility hints), so each compiled kernel is the one such a
+launch gets. Prints per kernel:
 
-  * registers and spill bytes (ptxas -v with Triton's flags),
-  * whether the SASS keeps the softmax under the tensor-core work: in the peeled first key tile
-    and in the main loop, the number of HGMMA and of MUFU.EX2 (softmax exp2) between the first
-    and the last of those HGMMAs with no WARPGROUP.DEPBAR (wgmma wait) in between. A tile's
-    softmax has 64 exp2 per thread; "ok" needs >= 32 of them between >= 4 HGMMAs.
+  * ptxas -v (Triton's flags): registers (for a warp-specialized kernel the kernel-wide
+    .maxnreg, 168 at 12 warps; the partitions run under their setmaxnreg limits) and spills;
+  * ptxas warnings, C75xx ones in particular (ptxas serializing every wgmma of the kernel);
+  * the setmaxnreg values in the PTX, and per partition (consumer warpgroups, producer warp) the
+    highest register its SASS touches against its setmaxnreg limit ("R183/240").
 
-Exit status 1 if a kernel the dispatch can launch spills or loses that interleaving. ptxas decides
-the overlap and reacts to small source changes (bench/experiments/gluon_fa_hopper/NOTES.md):
-run this after every edit of the kernel. About 2 minutes on 2 cores.
+Exit status 1 if a kernel the dispatch can launch spills, gets a ptxas warning (C75xx: wgmma
+serialization), has no setmaxnreg, or a partition whose registers exceed its limit. ptxas reacts
+to small source changes (bench/experiments/gluon_fa_hopper_ws/NOTES.md): run this after every
+edit of the kernel. About a minute on 2 cores.
 """
 
 from __future__ import annotations
@@ -46,7 +47,6 @@ from longctx.kernels.prefill import hopper_kernel_applies
 TARGET = GPUTarget("cuda", 90, 32)  # what an H100 / H200 reports
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 HEADS = [(16, 2), (32, 32), (12, 4), (64, 4), (1, 1)]  # group 8, 1, 3, 16; Hq 1 is a constant
-MIN_EX2, MIN_HGMMA = 32, 4
 
 
 # --------------------------------------------------------------------------- variants
@@ -54,8 +54,9 @@ def variants() -> list[dict]:
     """Representative launches: dict(name, dtype, causal, acc, B, Sq, Sk, Hq, Hkv, lse_offset,
     dispatch). lse_offset: lse_acc starts that many floats into its buffer (1: not 16-byte
     aligned, as a slice of a ring's accumulator could be). dispatch=False: reachable only by
-    calling hopper_attention_fwd directly (causal one-tile kernels: the dispatch keeps causal
-    calls up to 4096 rows on the Triton kernel)."""
+    calling hopper_attention_fwd directly (causal with one key tile: the dispatch keeps causal
+    calls up to 4096 rows on the Triton kernel). One-tile launches (Sk == 128) compile to the
+    same kernel as longer ones (no compile-time one-tile path)."""
     out = []
     for dtype in (torch.bfloat16, torch.float16):
         for hq, hkv in HEADS:
@@ -137,57 +138,60 @@ def disassemble(cubin: bytes) -> str:
                               check=True).stdout
 
 
-def interleaving(instrs: list[str]) -> tuple[int, int]:
-    """Best (#HGMMA, #MUFU.EX2 between the first and last of them) over the stretches of
-    `instrs` between wgmma waits (WARPGROUP.DEPBAR)."""
-    best, window = (0, 0), []
-    for ins in instrs + ["WARPGROUP.DEPBAR"]:
-        if "WARPGROUP.DEPBAR" not in ins:
-            window.append(ins)
-            continue
-        idx = [i for i, x in enumerate(window) if "HGMMA" in x]
-        if idx:
-            seg = window[idx[0]:idx[-1] + 1]
-            cand = (len(idx), sum("MUFU.EX2" in x for x in seg))
-            best = max(best, cand, key=lambda t: (t[1], t[0]))
-        window = []
-    return best
-
-
-def overlap(sass: str) -> dict[str, tuple[int, int] | None]:
-    """Interleaving in the peeled first tile (code before the main loop) and in the main loop
-    (the backward branch before EXIT whose body holds the most HGMMAs; None without one). The
-    mbarrier spin loops ptxas moves behind EXIT, and their jumps back, are not loops here."""
-    instrs, labels = [], {}
+def partitions(sass: str) -> list[dict]:
+    """The SASS cut at every USETMAXREG (setmaxnreg) into regions, in address order: per region
+    the setmaxnreg value and kind, the highest general register it touches (vector operands and
+    HGMMA accumulators counted in full) and its #HGMMA / #UTMALDG. A consumer region has HGMMAs,
+    the producer's UTMALDGs; the short regions in between are the idle warps' hand-overs."""
+    regions, cur = [], None
     for line in sass.splitlines():
-        if m := re.match(r"^(\.L_x_\d+):", line.strip()):
-            labels[m.group(1)] = len(instrs)
-        elif m := re.search(r"/\*[0-9a-f]+\*/\s+(.*?)\s*;", line):
-            instrs.append(m.group(1))
-    end = next(i for i, ins in enumerate(instrs) if ins.split()[-1] == "EXIT")
-    loop = None
-    for i, ins in enumerate(instrs[:end]):
-        if (m := re.search(r"BRA `\((\.L_x_\d+)\)", ins)) and labels[m.group(1)] < i:
-            body = (labels[m.group(1)], i)
-            n = sum("HGMMA" in x for x in instrs[body[0]:body[1]])
-            if n and (loop is None or n > loop[2]):
-                loop = (*body, n)
-    if loop is None:
-        return {"tile 0": None, "loop": None}
-    return {"tile 0": interleaving(instrs[:loop[0]]), "loop": interleaving(instrs[loop[0]:loop[1]])}
+        m = re.search(r"/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;", line)
+        if not m:
+            continue
+        ins = m.group(1)
+        if "USETMAXREG" in ins:
+            cur = dict(setmaxnreg=int(re.search(r"0x([0-9a-f]+)", ins).group(1), 16),
+                       kind=ins.split()[0].split(".")[1].lower(), max_reg=-1, hgmma=0, tma=0, n=0)
+            regions.append(cur)
+            continue
+        if cur is None:
+            cur = dict(setmaxnreg=None, kind="entry", max_reg=-1, hgmma=0, tma=0, n=0)
+            regions.append(cur)
+        cur["n"] += 1
+        regs = [int(r) for r in re.findall(r"\bR(\d+)\b", ins)]
+        if "HGMMA" in ins:
+            cur["hgmma"] += 1
+            shape = re.search(r"HGMMA\.64x(\d+)x16", ins)
+            acc = re.search(r"HGMMA\.\S+\s+R(\d+)", ins)
+            if shape and acc:  # the accumulator: N / 2 registers from the named one
+                regs.append(int(acc.group(1)) + int(shape.group(1)) // 2 - 1)
+        regs += [int(r) + int(w) // 32 - 1 for r, w in re.findall(r"\bR(\d+)\.(64|128)\b", ins)]
+        if regs:
+            cur["max_reg"] = max(cur["max_reg"], max(regs))
+        cur["tma"] += "UTMALDG" in ins
+    return [r for r in regions if r["n"]]
 
 
 def compile_variant(v: dict, sass_dir: str | None) -> dict:
     signature, constexprs, attrs, options = specialise(v)
     src = GluonASTSource(H._attn_fwd_hopper_kernel, signature, constexprs, attrs)
     kernel = triton.compile(src, target=TARGET, options=options.__dict__)
-    regs, spill_st, spill_ld, warnings = ptxas_info(kernel.asm["ptx"])
+    ptx = kernel.asm["ptx"]
+    regs, spill_st, spill_ld, warnings = ptxas_info(ptx)
     sass = disassemble(kernel.asm["cubin"])
     if sass_dir:
         stem = Path(sass_dir) / re.sub(r"[^\w=+.-]+", "_", v["name"])
         stem.with_suffix(".sass").write_text(sass)
-        stem.with_suffix(".ptx").write_text(kernel.asm["ptx"])
-    return dict(regs=regs, spills=(spill_st, spill_ld), warnings=warnings, **overlap(sass))
+        stem.with_suffix(".ptx").write_text(ptx)
+    setmaxnreg = re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)
+    parts = partitions(sass)
+    consumers = [r for r in parts if r["hgmma"]]
+    producers = [r for r in parts if r["tma"] and not r["hgmma"]]
+    return dict(regs=regs, spills=(spill_st, spill_ld), warnings=warnings,
+                c75=sorted(set(re.findall(r"\((C75\d\d)\)", "\n".join(warnings)))),
+                setmaxnreg=setmaxnreg, shared=kernel.metadata.shared,
+                consumers=[(r["setmaxnreg"], r["max_reg"]) for r in consumers],
+                producers=[(r["setmaxnreg"], r["max_reg"]) for r in producers])
 
 
 def key(v: dict) -> str:
@@ -200,18 +204,22 @@ def verdict(v: dict, r: dict) -> list[str]:
     bad = []
     if r["spills"] != (0, 0):
         bad.append("spills")
-    if r["warnings"]:
+    if r["c75"]:
+        bad.append("wgmma serialized (" + ", ".join(r["c75"]) + ")")
+    elif r["warnings"]:
         bad.append("ptxas warnings")
-    for part in ("tile 0", "loop"):
-        if r[part] is not None and (r[part][0] < MIN_HGMMA or r[part][1] < MIN_EX2):
-            bad.append(f"no overlap in {part}")
-    if r["loop"] is None and v["Sk"] != 128:
-        bad.append("no main loop found")
+    if not r["setmaxnreg"]:
+        bad.append("no setmaxnreg")
+    if len(r["consumers"]) != 2 or len(r["producers"]) != 1:
+        bad.append("partitions not found in SASS")
+    for limit, used in r["consumers"] + r["producers"]:
+        if limit is None or used >= limit:
+            bad.append(f"R{used} over setmaxnreg {limit}")
     return bad
 
 
-def fmt(x: tuple[int, int] | None) -> str:
-    return "-" if x is None else f"{x[0]} HGMMA / {x[1]} EX2"
+def fmt(parts: list[tuple[int, int]]) -> str:
+    return " ".join(f"R{used}/{limit}" for limit, used in parts) or "-"
 
 
 def main() -> int:
@@ -225,19 +233,21 @@ def main() -> int:
     vs = [v for v in variants() if args.k in v["name"]]
     for v in vs:
         if dispatch_accepts(v) != v["dispatch"]:
-            print(f"{v['name']}: hopper_kernel_applies says {not v['dispatch']}, expected {v['dispatch']}")
+            print(f"{v['name']}: hopper_kernel_applies says {not v['dispatch']}, "
+                  f"expected {v['dispatch']}")
             return 1
     first: dict[str, int] = {}
     for i, v in enumerate(vs):
         v["same_as"] = first.setdefault(key(v), i)
     unique = [v for i, v in enumerate(vs) if v["same_as"] == i]
     print(f"triton {triton.__version__}, target sm_90a: {len(vs)} launches, {len(unique)} distinct "
-          f"kernels (ptxas: {BIN / 'ptxas'})")
+          f"kernels (ptxas: the one bundled with triton, backends/nvidia/bin/ptxas)")
     with concurrent.futures.ProcessPoolExecutor(args.jobs) as pool:
         results = dict(zip((id(v) for v in unique),
                            pool.map(compile_variant, unique, [args.sass] * len(unique))))
     failed = 0
-    print(f"{'#':>2} {'launch':<52} {'regs':>4} {'spill B':>7}  {'tile 0':<20} {'main loop':<20} verdict")
+    print(f"{'#':>2} {'launch':<52} {'regs':>4} {'spill B':>7} {'smem B':>7}  "
+          f"{'consumers (max reg/limit)':<26} {'producer':<9} verdict")
     for i, v in enumerate(vs):
         if v["same_as"] != i:
             print(f"{i:>2} {v['name']:<52} same kernel as #{v['same_as']}")
@@ -245,13 +255,19 @@ def main() -> int:
         r = results[id(v)]
         bad = verdict(v, r)
         failed += bool(bad) and v["dispatch"]
-        print(f"{i:>2} {v['name']:<52} {r['regs']:>4} {'/'.join(map(str, r['spills'])):>7}  "
-              f"{fmt(r['tile 0']):<20} {fmt(r['loop']):<20} {', '.join(bad) or 'ok'}")
+        print(f"{i:>2} {v['name']:<52} {r['regs']:>4} {'/'.join(map(str, r['spills'])):>7} "
+              f"{r['shared']:>7}  {fmt(r['consumers']):<26} {fmt(r['producers']):<9} "
+              f"{', '.join(bad) or 'ok'}")
         for w in r["warnings"]:
             print(f"     ptxas: {w}")
-    print(f"{failed} dispatchable kernel(s) spill or lose the softmax/HGMMA interleaving" if failed
-          else "every dispatchable kernel: no spills, softmax exp2 interleaved with HGMMA in the "
-               "peeled first tile and the main loop (one-tile kernels have neither)")
+    smn = sorted({tuple(map(tuple, results[id(v)]["setmaxnreg"])) for v in unique})
+    print("setmaxnreg in PTX order (one line per distinct sequence):")
+    for seq in smn:
+        print("   " + " ".join(f"{k} {n}" for k, n in seq))
+    print(f"{failed} dispatchable kernel(s) spill, get a ptxas warning, or exceed a partition's "
+          f"registers" if failed
+          else "every dispatchable kernel: no spills, no ptxas (C75xx) warnings, setmaxnreg "
+               "present, every partition within its setmaxnreg limit")
     return 1 if failed else 0
 
 

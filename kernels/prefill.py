@@ -24,13 +24,14 @@ Features
 Hopper path
 -----------
 On sm_90 GPUs `flash_attention_fwd` hands the calls that `hopper_kernel_applies` accepts to a
-Gluon kernel (kernels/prefill_hopper.py, imported on first use) whose softmax runs under the
-next tile's tensor-core work within each warpgroup, which Triton's pipeliner does not do: bf16 /
-fp16, head_dim 128, dense, Sq and Sk multiples of 128, no mask or the plain causal diagonal
-(Sq == Sk, equal int offsets; causal only above 4096 query rows: at 4096 the Triton kernel
-below measured faster), with or without the fused merge. Everything else, and every call with
-``LONGCTX_PREFILL_KERNEL=triton`` in the environment (for A/B runs), runs the Triton kernel
-below; so do calls under the interpreter, with ``_config``, and on other GPUs.
+warp-specialized Gluon kernel (kernels/prefill_hopper.py, imported on first use: a TMA
+producer warp and two consumer warpgroups on mbarrier rings, in FA3's order): bf16 / fp16,
+head_dim 128, dense, Sq and Sk multiples of 128, no mask or the plain causal diagonal (Sq ==
+Sk, equal int offsets; causal only above 4096 query rows: at 4096 the Triton kernel below
+measured faster than the previous Gluon kernel), with or without the fused merge. Everything
+else, and every call with ``LONGCTX_PREFILL_KERNEL=triton`` in the environment (for A/B runs),
+runs the Triton kernel below; so do calls under the interpreter, with ``_config``, and on other
+GPUs.
 """
 
 from __future__ import annotations
@@ -401,8 +402,9 @@ def _set_allocator() -> None:
 # Hopper path (kernels/prefill_hopper.py)
 # --------------------------------------------------------------------------- #
 # Causal calls up to this many query rows stay on the Triton kernel: at 16/2 heads and 4096
-# tokens it measured 454 TFLOPS against the Gluon kernel's 406 on an H100 (BENCHMARKS.md,
-# "Session 8 experiment: the overlap in Gluon").
+# tokens it measured 454 TFLOPS against the single-partition Gluon kernel's 406 on an H100
+# (BENCHMARKS.md, "Session 8 experiment: the overlap in Gluon"); not yet re-measured for the
+# warp-specialized kernel (bench/check_prefill_hopper.py times causal 2048-16384).
 _CAUSAL_TRITON_MAX_SEQLEN_Q = 4096
 _PREFILL_KERNEL_ENV = "LONGCTX_PREFILL_KERNEL"
 

@@ -1,4 +1,4 @@
-"""Hopper (sm_90) prefill attention forward in Gluon, with intra-warpgroup softmax/GEMM overlap.
+"""Hopper (sm_90) prefill attention forward in Gluon: warp-specialized (FA3-style), no ping-pong.
 
 The fast path of `longctx.kernels.prefill.flash_attention_fwd` on sm_90 GPUs, for the calls that
 `hopper_kernel_applies` accepts there; same output contract as its dense path. Import it only on
@@ -13,23 +13,40 @@ fused merge). Every (batch, seq) row of q, k, v is one row of a 2-D TMA descript
 (batch stride Sq * seq stride, or B == 1). Rows never come out empty here (every query sees at
 least key 0), so the empty-row case of the contract (O = 0, LSE = -inf) does not arise.
 
-One program = 128 query rows of one (batch, q head), 8 warps (two warpgroups of 64 rows). The
-query tiles of one head run side by side (they stream the same K/V through the L2); causal runs
-walk them backwards (longest first). Q is loaded once by TMA; K and V stream through 2-slot
-shared-memory rings (TMA + one mbarrier per slot); P goes to the P V wgmma from registers. Per
-128-key tile j (S_j = Q K_j^T already in registers):
+One program (CTA) = 128 query rows of one (batch, q head); the query tiles of one head are
+adjacent in the grid (they stream the same K/V through the L2); causal runs walk them backwards
+(longest first). `gl.warp_specialize` splits the CTA into three partitions (12 warps):
 
-    (1) issue S_{j+1} = Q K_{j+1}^T (async)
-    (2) softmax of S_j (row max, exp2, row sum)        <- S_{j+1} and P_{j-1} V_{j-1} in flight
-    (3) wait for all wgmma (P_{j-1} V_{j-1} and S_{j+1})
-    (4) O *= alpha  (5) issue O += P_j V_j (async)
-    (6) CTA barrier; TMA refill of the K slot of tile j+1 and the V slot of tile j-1
+  * consumer 0 (the default partition) and consumer 1 (a worker), 4 warps each: query rows
+    64 * WG .. 64 * WG + 63 of the tile, wgmma M = 64, setmaxnreg 240;
+  * producer (a 1-warp worker, setmaxnreg 24): TMA loads of the two Q halves, then K_0 and,
+    per tile t, K_{t+1} and V_t into 2-slot rings (tile t in slot t % 2).
 
-Tile 0 and the last tile are peeled. Whether ptxas keeps (2) between the HGMMAs of (1) is
-visible only in SASS: `python bench/compile_prefill_hopper.py` checks every variant the dispatch
-can launch (registers, spills, HGMMA / MUFU.EX2 interleaving). The kernel sits at ~255 registers:
-small control-flow changes have cost the overlap or caused spills (history and measurements in
-bench/experiments/gluon_fa_hopper/NOTES.md), so re-run that check after any edit.
+A program visits key tiles 0 .. n_tiles - 1: Sk / 128 without a mask, m + 1 for causal query
+tile m. Producer and consumers derive n_tiles from the program id with the same helper
+(`_tile_coords`), so the producer loads exactly the tiles the consumers wait for.
+
+mbarriers: q_bars[WG] (producer -> consumer WG: its Q half landed; parity 0);
+k_full / v_full[slot] (producer -> consumers: slot filled, expect-tx; tile t waits parity
+(t // 2) & 1); k_empty / v_empty[slot], count 2 (each consumer warpgroup arrives once after the
+wgmma that read the slot has retired; the producer waits parity ((t // 2) & 1) ^ 1 before
+loading tile t, so the first two loads of each ring pass at once). An mbarrier.arrive in a
+4-warp partition is a partition-wide bar.sync plus one arrive, hence count 2 = two warpgroups.
+
+Consumer order per tile (FA3's, S_0 softmaxed before the loop):
+    wait K_{j+1}; issue S_{j+1} = Q K_{j+1}^T; O *= alpha_j; wait V_j; issue O += P_j V_j;
+    wait(1) (S_{j+1} done); release K_{j+1}; softmax(S_{j+1}) -> P_{j+1}; wait(0); release V_j
+then the last O += P_{n-1} V_{n-1}. Causal: only the last visited tile (the diagonal) is masked
+(key c of it visible to row r = 64 * WG + i iff c <= r): the loop runs the unmasked tiles and the
+round that softmaxes the diagonal tile is peeled after it; query tile 0 (n_tiles == 1) has the
+diagonal as S_0, which is therefore masked with a runtime offset that keeps every key of the
+other query tiles. With Sk == 128 the loop runs zero trips (no special compile-time path).
+
+What ptxas does (bench/compile_prefill_hopper.py checks every dispatchable variant): no spills,
+no C75xx wgmma-serialization warnings, consumers within their 240 registers. The softmax exp2s
+of a warpgroup do NOT run under its own P V wgmma (ptxas retires it before them, see
+bench/experiments/gluon_fa_hopper_ws/NOTES.md): the overlap is between the two consumer
+warpgroups and with the producer's TMA. Ping-pong scheduling and 3 ring slots measured slower.
 """
 
 from __future__ import annotations
@@ -49,36 +66,51 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 __all__ = ["hopper_attention_fwd"]
 
 _LOG2E = 1.4426950408889634
-BLOCK_M = 128     # query rows per program (two warpgroups of 64)
-BLOCK_N = 128     # keys per tile: with 64, ptxas hoists the wgmma wait above the exp2s
+BLOCK_M = 128       # query rows per program
+WG_ROWS = 64        # query rows per consumer warpgroup
+BLOCK_N = 128       # keys per tile
 HEAD_DIM = 128
-NUM_STAGES = 2    # K/V ring slots
-NUM_WARPS = 8
+NUM_STAGES = 2      # K / V ring slots
+NUM_WARPS = 4       # the default partition (consumer 0); the workers add 4 + 1 (padded to 4)
+CONSUMER_REGS = 240
+PRODUCER_REGS = 24
 _GL_DTYPE = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
 # --------------------------------------------------------------------------- #
-# Gluon kernel
+# Gluon kernel: helpers
 # --------------------------------------------------------------------------- #
 @gluon.jit
-def _expect(desc, bars, tile, NUM_STAGES: gl.constexpr, pred):
-    """Arm the mbarrier of ring slot tile % NUM_STAGES for one tile of `desc`."""
-    mbarrier.expect(bars.index(tile % NUM_STAGES), desc.block_type.nbytes, pred=pred)
+def _tile_coords(SEQLEN_Q, SEQLEN_K, H_Q, GROUP, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr):
+    """program -> (bh, m0, q_row, q_col, kv_row, kv_col, n_tiles). The query tiles of one
+    (batch, head) are adjacent; causal: longest first. Producer and consumers both call this:
+    n_tiles is the number of key tiles both sides go through."""
+    pid = gl.program_id(0)
+    num_m = SEQLEN_Q // BLOCK_M
+    bh = pid // num_m
+    m_tile = pid % num_m
+    if CAUSAL:
+        m_tile = num_m - 1 - m_tile
+        n_tiles = m_tile + 1          # key tiles 0 .. m_tile, the last one the diagonal
+    else:
+        n_tiles = SEQLEN_K // BLOCK_N
+    b = bh // H_Q
+    h = bh % H_Q
+    m0 = m_tile * BLOCK_M
+    return (bh, m0, b * SEQLEN_Q + m0, h * HEAD_DIM, b * SEQLEN_K, (h // GROUP) * HEAD_DIM,
+            n_tiles)
 
 
 @gluon.jit
-def _copy(desc, smem, bars, tile, row0, col, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, pred):
-    """TMA-load key tile `tile` (BLOCK_N rows from row0) of K or V into ring slot tile % NUM_STAGES."""
-    slot = tile % NUM_STAGES
-    tma.async_copy_global_to_shared(desc, [row0 + tile * BLOCK_N, col], bars.index(slot),
-                                    smem.index(slot), pred=pred)
-
-
-@gluon.jit
-def _issue_kv(desc, smem, bars, tile, row0, col, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-              pred):
-    _expect(desc, bars, tile, NUM_STAGES, pred)
-    _copy(desc, smem, bars, tile, row0, col, BLOCK_N, NUM_STAGES, pred)
+def _load_tile(desc, smem, full, empty, t, row0, col, BLOCK_N: gl.constexpr,
+               NUM_STAGES: gl.constexpr):
+    """Producer: wait until ring slot t % NS is free, then TMA-load key tile t into it."""
+    slot = t % NUM_STAGES
+    mbarrier.wait(empty.index(slot), ((t // NUM_STAGES) & 1) ^ 1)
+    mbarrier.expect(full.index(slot), desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(desc, [row0 + t * BLOCK_N, col], full.index(slot),
+                                    smem.index(slot))
 
 
 @gluon.jit
@@ -92,9 +124,13 @@ def _softmax_step(s, m_i, l_i, qk_scale):
 
 
 @gluon.jit
-def _softmax_step_masked(s, keep, m_i, l_i, qk_scale):
-    """_softmax_step with scores where `keep` is False at -inf. Every row keeps at least one
-    score (the diagonal), so m stays finite and no -inf - (-inf) = NaN arises."""
+def _softmax_step_masked(s, delta, m_i, l_i, qk_scale, ROWS: gl.constexpr,
+                         BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+    """_softmax_step with key column c of the tile visible to row r iff c <= r + delta
+    (delta >= 0: every row keeps column 0, so m stays finite and no -inf - (-inf) arises)."""
+    rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    keep = gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1) + delta
     s = gl.where(keep, s * qk_scale, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, axis=1))
     p = gl.exp2(s - gl.expand_dims(m_new, 1))
@@ -104,149 +140,48 @@ def _softmax_step_masked(s, keep, m_i, l_i, qk_scale):
 
 
 @gluon.jit
-def _causal_keep(delta, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
-    """[BLOCK_M, BLOCK_N] mask of one key tile: row r sees column c iff c <= r + delta, with
-    delta = (first query row of the tile) - (first key of the key tile)."""
-    rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
-    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    return gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1) + delta
-
-
-@gluon.jit
-def _to_operand(p, p_layout: gl.constexpr, dtype: gl.constexpr):
-    """fp32 P (S accumulator layout) -> 16-bit wgmma A operand in registers."""
-    return gl.convert_layout(p.to(dtype), p_layout)
-
-
-@gluon.jit
-def _mainloop(s_cur, m_i, l_i, qk_scale, q_smem, k_smem, v_smem, k_bars, v_bars, k_desc, v_desc,
-              kv_row, kv_col, n_tiles, s_zero, m0, kv_step,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-              NUM_STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
-              p_layout: gl.constexpr, dtype: gl.constexpr, CAUSAL: gl.constexpr):
-    """Key tiles 0 .. n_tiles-1 (n_tiles >= 2) in the order of the module docstring, S_0 given.
-
-    CAUSAL (BLOCK_N == BLOCK_M): only the last tile (the diagonal one, keys m0 .. m0+BLOCK_M-1)
-    is masked; tile 0 and the loop's tiles lie below the diagonal and run unmasked. Query tile 0
-    (m0 == 0) comes with n_tiles == 2 and key tile 0 in both ring slots (kv_step == 0): its
-    tile 0 is a dummy whose state the last tile drops (see _attn_fwd_hopper_kernel).
-    """
+def _round(j, q, p_op, acc, alpha, m_i, l_i, qk_scale, k_smem, v_smem, k_full, k_empty, v_full,
+           v_empty, s_zero, delta, NUM_STAGES: gl.constexpr, MASKED: gl.constexpr,
+           ROWS: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr,
+           o_layout: gl.constexpr, p_layout: gl.constexpr, dtype: gl.constexpr):
+    """FA3-order round j + 1: S_{j+1} = Q K_{j+1}^T and O = alpha_j O + P_j V_j on the tensor
+    cores, softmax of S_{j+1} (masked with `delta` if MASKED) -> P_{j+1}, alpha_{j+1}."""
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    # ---- tile 0, peeled: afterwards exactly one wgmma group (P_0 V_0) is in flight, the
-    # state at the loop's back edge.
-    mbarrier.wait(k_bars.index(1 % NUM_STAGES), (1 // NUM_STAGES) & 1)
-    s_tok = warpgroup_mma(q_smem, k_smem.index(1 % NUM_STAGES).permute((1, 0)), s_zero,
-                          use_acc=False, is_async=True)
-    p, alpha, m_i, l_i = _softmax_step(s_cur, m_i, l_i, qk_scale)
-    p_op = _to_operand(p, p_layout, dtype)
-    mbarrier.wait(v_bars.index(0), 0)
-    acc = warpgroup_mma(p_op, v_smem.index(0), gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout),
-                        use_acc=False, is_async=True)
-    p_prev = p_op
-    s_cur = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
-    # K_0 and K_1 are consumed: refill their slots with K_NS and K_{NS+1}
-    _expect(k_desc, k_bars, NUM_STAGES, NUM_STAGES, NUM_STAGES < n_tiles)
-    _expect(k_desc, k_bars, NUM_STAGES + 1, NUM_STAGES, NUM_STAGES + 1 < n_tiles)
-    gl.thread_barrier()
-    _copy(k_desc, k_smem, k_bars, NUM_STAGES, kv_row, kv_col, BLOCK_N, NUM_STAGES,
-          NUM_STAGES < n_tiles)
-    _copy(k_desc, k_smem, k_bars, NUM_STAGES + 1, kv_row, kv_col, BLOCK_N, NUM_STAGES,
-          NUM_STAGES + 1 < n_tiles)
-
-    # ---- steady state: tiles 1 .. n_tiles-2 (P_{j-1} V_{j-1} in flight at the top) ----------
-    for j in range(1, n_tiles - 1):
-        # (1) async S_{j+1} = Q K_{j+1}^T
-        nxt = j + 1
-        nslot = nxt % NUM_STAGES
-        mbarrier.wait(k_bars.index(nslot), (nxt // NUM_STAGES) & 1)
-        s_tok = warpgroup_mma(q_smem, k_smem.index(nslot).permute((1, 0)), s_zero, use_acc=False,
-                              is_async=True)
-        # (2) softmax of S_j while S_{j+1} and P_{j-1} V_{j-1} run on the tensor cores
-        p, alpha, m_i, l_i = _softmax_step(s_cur, m_i, l_i, qk_scale)
-        # (3) wait for both. Leaving S_{j+1} in flight here (a wait(1), P_{j-1} V_{j-1} then
-        # crosses the back edge) makes ptxas serialize every wgmma of the kernel (C7514).
-        # deps: acc (P_{j-1} V_{j-1}'s accumulator); p_prev (its A operand: kept live up to
-        # here, else ptxas reuses its registers for the softmax and must wait before it); s_cur
-        # (keeps S_j's registers apart from S_{j+1}'s accumulator, else ptxas coalesces them
-        # and moves the softmax above the S_{j+1} issue: no overlap).
-        acc, p_prev, s_cur = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_prev, s_cur))
-        p_op = _to_operand(p, p_layout, dtype)
-        # (4) rescale O
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-        # (5) async O += P_j V_j
-        cslot = j % NUM_STAGES
-        mbarrier.wait(v_bars.index(cslot), (j // NUM_STAGES) & 1)
-        acc = warpgroup_mma(p_op, v_smem.index(cslot), acc, is_async=True)
-        p_prev = p_op
-        # S_{j+1} is done (retired at (3)); P_j V_j stays in flight
-        s_cur = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
-        # (6) K_{j+1} and V_{j-1} are no longer read by this warpgroup; the CTA barrier makes
-        # that true for both warpgroups before TMA overwrites the slots.
-        k_t = nxt + NUM_STAGES
-        v_t = j - 1 + NUM_STAGES
-        _expect(k_desc, k_bars, k_t, NUM_STAGES, k_t < n_tiles)
-        _expect(v_desc, v_bars, v_t, NUM_STAGES, v_t < n_tiles)
-        gl.thread_barrier()
-        _copy(k_desc, k_smem, k_bars, k_t, kv_row, kv_col, BLOCK_N, NUM_STAGES, k_t < n_tiles)
-        _copy(v_desc, v_smem, v_bars, v_t, kv_row, kv_col, BLOCK_N, NUM_STAGES, v_t < n_tiles)
-
-    # ---- last tile (no S_next); causal: the diagonal tile (keys m0 .. m0 + BLOCK_M - 1) ------
-    j = n_tiles - 1
-    if CAUSAL:
-        # query tile 0 ran key tile 0 unmasked as its tile 0 (a dummy): drop that state
-        # (m = -inf makes alpha = 0, so l and O restart from this tile).
-        m_i = gl.where(m0 == 0, float("-inf"), m_i)
-        # delta = m0 - (first key of this tile) is always 0 here, but stays a runtime value on
-        # purpose: with the literal 0 ptxas serialized every wgmma of the kernel (C7511) and
-        # spilled 312 B (bench/experiments/gluon_fa_hopper/NOTES.md).
-        keep = _causal_keep(m0 - j * kv_step, BLOCK_M, BLOCK_N, s_layout)
-        p, alpha, m_i, l_i = _softmax_step_masked(s_cur, keep, m_i, l_i, qk_scale)
-    else:
-        p, alpha, m_i, l_i = _softmax_step(s_cur, m_i, l_i, qk_scale)
-    acc, p_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_prev))
-    p_op = _to_operand(p, p_layout, dtype)
+    t = j + 1
+    ks = t % NUM_STAGES
+    mbarrier.wait(k_full.index(ks), (t // NUM_STAGES) & 1)
+    s_tok = warpgroup_mma(q, k_smem.index(ks).permute((1, 0)), s_zero, use_acc=False,
+                          is_async=True)
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-    cslot = j % NUM_STAGES
-    mbarrier.wait(v_bars.index(cslot), (j // NUM_STAGES) & 1)
-    acc = warpgroup_mma(p_op, v_smem.index(cslot), acc, is_async=True)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-    return acc, m_i, l_i
-
-
-@gluon.jit
-def _single_tile(s_cur, m_i, l_i, qk_scale, v_smem, v_bars, m0,
-                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                 s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
-                 dtype: gl.constexpr, CAUSAL: gl.constexpr):
-    """One key tile (Sk == BLOCK_N): softmax of S_0 (masked when causal: tile 0 is then the
-    diagonal tile), O = P_0 V_0. Nothing is in flight on entry."""
-    if CAUSAL:
-        keep = _causal_keep(m0, BLOCK_M, BLOCK_N, s_layout)
-        p, alpha, m_i, l_i = _softmax_step_masked(s_cur, keep, m_i, l_i, qk_scale)
+    vs = j % NUM_STAGES
+    mbarrier.wait(v_full.index(vs), (j // NUM_STAGES) & 1)
+    acc_tok = warpgroup_mma(p_op, v_smem.index(vs), acc, is_async=True)
+    s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
+    mbarrier.arrive(k_empty.index(ks), count=1)
+    if MASKED:
+        p, alpha, m_i, l_i = _softmax_step_masked(s, delta, m_i, l_i, qk_scale, ROWS, BLOCK_N,
+                                                  s_layout)
     else:
-        p, alpha, m_i, l_i = _softmax_step(s_cur, m_i, l_i, qk_scale)
-    p_op = _to_operand(p, p_layout, dtype)
-    mbarrier.wait(v_bars.index(0), 0)
-    acc = warpgroup_mma(p_op, v_smem.index(0), gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout),
-                        use_acc=False, is_async=True)
-    acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
-    return acc, m_i, l_i
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
+    acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, p_op))
+    mbarrier.arrive(v_empty.index(vs), count=1)
+    p_op = gl.convert_layout(p.to(dtype), p_layout)
+    return acc, p_op, alpha, m_i, l_i
 
 
 @gluon.jit
 def _merge_into_state(o, lse, O_ACC, LSE_ACC, q_row, q_col,
                       stride_os, stride_oh, stride_ls, stride_lh,
-                      BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, o_layout: gl.constexpr):
-    """Fold the tile's state (o [BLOCK_M, HEAD_DIM] normalised fp32, lse [BLOCK_M] natural log)
+                      ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, o_layout: gl.constexpr):
+    """Fold a warpgroup's state (o [ROWS, HEAD_DIM] normalised fp32, lse [ROWS] natural log)
     into the running state O_ACC [B, Sq, Hq, D] / LSE_ACC [B, Sq, Hq] float32, in place.
 
     kernels/prefill.py's ACCUMULATE epilogue, i.e. merge_into's rule (kernels/merge.py:
-    _rescale, _state_lse), written in Gluon: each (row, head) belongs to exactly one program.
+    _rescale, _state_lse): each (row, head) belongs to exactly one warpgroup of one program.
     Rows are addressed like q's TMA rows, row q_row + r of [B * Sq] (batch stride Sq * seq
-    stride), head q_col / HEAD_DIM: q_row and q_col are live across the main loop anyway,
-    while keeping batch, head and m0 live for this epilogue cost the loop its overlap in ptxas.
+    stride), head q_col / HEAD_DIM.
     """
-    rows = (q_row + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))).to(gl.int64)
+    rows = (q_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))).to(gl.int64)
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
     h64 = (q_col // HEAD_DIM).to(gl.int64)
     l_ptrs = LSE_ACC + h64 * stride_lh + rows * stride_ls
@@ -262,47 +197,129 @@ def _merge_into_state(o, lse, O_ACC, LSE_ACC, q_row, q_col,
     s = w_old + w_new
     o = ((o_old * gl.expand_dims(w_old, 1) + o * gl.expand_dims(w_new, 1))
          / gl.expand_dims(gl.where(s > 0, s, 1.0), 1))
-    # Every warp has read the old state before any overwrites it (see _merge_into_kernel).
+    # Every thread of the warpgroup has read the old LSE (each row's LSE is held by several
+    # threads, one of which stores it) before any overwrites it. Inside a partition this is a
+    # named barrier over the partition's 128 threads.
     gl.thread_barrier()
     gl.store(o_ptrs, o)
     gl.store(l_ptrs, m_safe + gl.log(s))
 
 
+# --------------------------------------------------------------------------- #
+# Gluon kernel: partitions
+# --------------------------------------------------------------------------- #
 @gluon.jit
-def _epilogue(acc, m_i, l_i, q_bar, k_bars, v_bars, q_smem, o_desc, O_ACC, LSE,
-              bh, SEQLEN_Q, m0, q_row, q_col, stride_os, stride_oh, stride_ls, stride_lh,
-              BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
-              s_layout: gl.constexpr, o_layout: gl.constexpr, dtype: gl.constexpr,
-              ACCUMULATE: gl.constexpr):
-    """O /= l, LSE = (m + log2 l) * ln 2; store both, or merge them into the running state."""
+def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, SEQLEN_Q, SEQLEN_K, H_Q,
+              GROUP, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+              NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    """1 warp: Q halves, then K_0, (K_{t+1}, V_t) for t < n_tiles - 1, V_{n_tiles-1}: K runs
+    one tile ahead of V, as round j of the consumers needs K_{j+1} before V_j."""
+    q_bars, k_full, k_empty, v_full, v_empty = bars
+    bh, m0, q_row, q_col, kv_row, kv_col, n_tiles = _tile_coords(
+        SEQLEN_Q, SEQLEN_K, H_Q, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL)
+    for wg in gl.static_range(2):
+        mbarrier.expect(q_bars.index(wg), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [q_row + wg * (BLOCK_M // 2), q_col],
+                                        q_bars.index(wg), q_smem.index(wg))
+    _load_tile(k_desc, k_smem, k_full, k_empty, 0, kv_row, kv_col, BLOCK_N, NUM_STAGES)
+    for t in range(n_tiles - 1):
+        _load_tile(k_desc, k_smem, k_full, k_empty, t + 1, kv_row, kv_col, BLOCK_N, NUM_STAGES)
+        _load_tile(v_desc, v_smem, v_full, v_empty, t, kv_row, kv_col, BLOCK_N, NUM_STAGES)
+    _load_tile(v_desc, v_smem, v_full, v_empty, n_tiles - 1, kv_row, kv_col, BLOCK_N, NUM_STAGES)
+
+
+@gluon.jit
+def _consumer(q_smem, k_smem, v_smem, bars, o_desc, O_ACC, LSE, stride_os, stride_oh, stride_ls,
+              stride_lh, qk_scale, SEQLEN_Q, SEQLEN_K, H_Q, GROUP, WG: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+              NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, ACCUMULATE: gl.constexpr):
+    """One warpgroup: query rows WG * 64 .. WG * 64 + 63 of the program's tile."""
+    ROWS: gl.constexpr = BLOCK_M // 2
+    q_bars, k_full, k_empty, v_full, v_empty = bars
+    dtype: gl.constexpr = q_smem.dtype
+    bh, m0, q_row, q_col, kv_row, kv_col, n_tiles = _tile_coords(
+        SEQLEN_Q, SEQLEN_K, H_Q, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL)
+
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    mbarrier.invalidate(q_bar)
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.invalidate(k_bars.index(i))
-        mbarrier.invalidate(v_bars.index(i))
+    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, row_s)
+    l_i = gl.zeros([ROWS], gl.float32, row_s)
+    q = q_smem.index(WG)
+    mbarrier.wait(q_bars.index(WG), 0)
 
+    # ---- S_0 ----------------------------------------------------------------------------
+    mbarrier.wait(k_full.index(0), 0)
+    s_tok = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False,
+                          is_async=True)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
+    mbarrier.arrive(k_empty.index(0), count=1)
+    if CAUSAL:
+        # key tile 0 is the diagonal tile of query tile 0 only: delta = first row of this
+        # warpgroup, >= 128 (nothing masked) for every other query tile
+        p, alpha, m_i, l_i = _softmax_step_masked(s, m0 + WG * ROWS, m_i, l_i, qk_scale, ROWS,
+                                                  BLOCK_N, s_layout)
+    else:
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
+    p_op = gl.convert_layout(p.to(dtype), p_layout)
+    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
+
+    # ---- rounds 1 .. n_tiles - 1 ----------------------------------------------------------
+    if CAUSAL:
+        # the unmasked tiles 1 .. n_tiles - 2, then the diagonal tile's round peeled
+        for j in range(0, n_tiles - 2):
+            acc, p_op, alpha, m_i, l_i = _round(
+                j, q, p_op, acc, alpha, m_i, l_i, qk_scale, k_smem, v_smem, k_full, k_empty,
+                v_full, v_empty, s_zero, 0, NUM_STAGES, False, ROWS, BLOCK_N, s_layout,
+                o_layout, p_layout, dtype)
+        if n_tiles > 1:
+            acc, p_op, alpha, m_i, l_i = _round(
+                n_tiles - 2, q, p_op, acc, alpha, m_i, l_i, qk_scale, k_smem, v_smem, k_full,
+                k_empty, v_full, v_empty, s_zero, WG * ROWS, NUM_STAGES, True, ROWS, BLOCK_N,
+                s_layout, o_layout, p_layout, dtype)
+    else:
+        for j in range(0, n_tiles - 1):
+            acc, p_op, alpha, m_i, l_i = _round(
+                j, q, p_op, acc, alpha, m_i, l_i, qk_scale, k_smem, v_smem, k_full, k_empty,
+                v_full, v_empty, s_zero, 0, NUM_STAGES, False, ROWS, BLOCK_N, s_layout,
+                o_layout, p_layout, dtype)
+
+    # ---- the last P V -------------------------------------------------------------------
+    j = n_tiles - 1
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+    vs = j % NUM_STAGES
+    mbarrier.wait(v_full.index(vs), (j // NUM_STAGES) & 1)
+    acc_tok = warpgroup_mma(p_op, v_smem.index(vs), acc, is_async=True)
+    acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, p_op))
+    mbarrier.arrive(v_empty.index(vs), count=1)
+
+    # ---- epilogue: O /= l, LSE = (m + log2 l) ln 2; store or merge --------------------------
     # Every row saw at least one key (the causal mask here is the plain diagonal): l > 0.
     acc = acc / gl.expand_dims(gl.convert_layout(l_i, row_o), 1)
     lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
-
     if ACCUMULATE:
-        _merge_into_state(acc, gl.convert_layout(lse, row_o), O_ACC, LSE, q_row, q_col,
-                          stride_os, stride_oh, stride_ls, stride_lh, BLOCK_M, HEAD_DIM, o_layout)
+        _merge_into_state(acc, gl.convert_layout(lse, row_o), O_ACC, LSE, q_row + WG * ROWS,
+                          q_col, stride_os, stride_oh, stride_ls, stride_lh, ROWS, HEAD_DIM,
+                          o_layout)
     else:
-        offs_m = m0 + gl.arange(0, BLOCK_M, layout=row_s)
-        gl.store(LSE + bh.to(gl.int64) * SEQLEN_Q + offs_m, lse)
-        # O through Q's shared tile (no wgmma reads it any more) and a TMA store.
-        gl.thread_barrier()
-        q_smem.store(acc.to(dtype))
+        offs = m0 + WG * ROWS + gl.arange(0, ROWS, layout=row_s)
+        gl.store(LSE + bh.to(gl.int64) * SEQLEN_Q + offs, lse)
+        # O through this warpgroup's Q half (its S GEMMs have all retired) and a TMA store
+        q.store(acc.to(dtype))
         fence_async_shared()
-        tma.async_copy_shared_to_global(o_desc, [q_row, q_col], q_smem)
+        tma.async_copy_shared_to_global(o_desc, [q_row + WG * ROWS, q_col], q)
         tma.store_wait(pendings=0)
 
 
 @gluon.jit
 def _attn_fwd_hopper_kernel(
-    q_desc, k_desc, v_desc,   # TMA descriptors over [B * S, H * D]: [BLOCK_M | BLOCK_N, D] boxes
+    q_desc,                   # TMA descriptor over [B * Sq, Hq * D], [64, D] boxes
+    k_desc, v_desc,           # over [B * Sk, Hkv * D], [BLOCK_N, D] boxes
     o_desc,                   # like q_desc over O; None when ACCUMULATE
     O_ACC,                    # ACCUMULATE: float32 [B, Sq, Hq, D] running output; else None
     LSE,                      # float32 [B, Hq, Sq] contiguous; ACCUMULATE: [B, Sq, Hq] (strides)
@@ -312,105 +329,40 @@ def _attn_fwd_hopper_kernel(
     SEQLEN_Q, SEQLEN_K,       # multiples of 128; equal when CAUSAL
     H_Q, GROUP,               # query heads, Hq // Hkv
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-    NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, SINGLE: gl.constexpr,
-    ACCUMULATE: gl.constexpr,
+    NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, ACCUMULATE: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):
-    """One program = BLOCK_M query rows of one (batch, q head); grid = (B * Hq * Sq / BLOCK_M,).
-
-    SINGLE: Sk == BLOCK_N, every program sees one key tile (a compile-time specialisation: any
-    runtime branch to a 1-tile path cost the main loop its overlap in ptxas).
-    """
+    """grid = (B * Hq * Sq / BLOCK_M,), num_warps = 4 (the default partition = consumer 0)."""
     gl.static_assert(BLOCK_M == 128)
     gl.static_assert(BLOCK_N == 128)  # causal: the last visited key tile is the diagonal tile
     dtype: gl.constexpr = q_desc.dtype
-
-    # ---- program -> (batch * head, query tile): the query tiles of one head adjacent -------
-    pid = gl.program_id(0)
-    num_m = SEQLEN_Q // BLOCK_M
-    bh = pid // num_m
-    m_tile = pid % num_m
-    if CAUSAL:
-        m_tile = num_m - 1 - m_tile  # most expensive (last) query tiles first
-    b = bh // H_Q
-    h = bh % H_Q
-    kvh = h // GROUP
-    m0 = m_tile * BLOCK_M          # first query row of the tile within the sequence
-    q_row = b * SEQLEN_Q + m0      # row of the [B * Sq, Hq * D] view
-    kv_row = b * SEQLEN_K          # first row of this batch in the [B * Sk, Hkv * D] view
-    q_col = h * HEAD_DIM
-    kv_col = kvh * HEAD_DIM
-    if SINGLE:
-        n_tiles = 1
-        kv_step = BLOCK_N
-    elif CAUSAL:
-        # Key tiles with visible keys, the last one the diagonal tile. Query tile 0 sees only
-        # key tile 0, but a runtime branch to a 1-tile path (or masking tile 0 before the loop)
-        # costs the loop its overlap in ptxas. So it runs the 2-tile path on key tile 0 twice:
-        # ring position 1 loads key tile 0 again (kv_step = 0), tile 0 runs unmasked as a
-        # dummy and the last (masked) tile drops its state. One extra tile per (batch, head).
-        n_tiles = gl.maximum((m0 + BLOCK_M) // BLOCK_N, 2)
-        kv_step = gl.where(m0 == 0, 0, BLOCK_N)
-    else:
-        n_tiles = SEQLEN_K // BLOCK_N
-        kv_step = BLOCK_N
-
-    # ---- layouts: NVMMA v3 (wgmma) accumulators, 8 warps along the rows ---------------------
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-
-    # ---- shared memory and barriers -------------------------------------------------------
-    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M // 2, HEAD_DIM], q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    k_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    v_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
+    q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_full = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_full = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(q_bars.index(i), count=1)
     for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(k_bars.index(i), count=1)
-        mbarrier.init(v_bars.index(i), count=1)
+        mbarrier.init(k_full.index(i), count=1)
+        mbarrier.init(v_full.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)  # one arrive per consumer warpgroup
+        mbarrier.init(v_empty.index(i), count=2)
     fence_async_shared()
-
-    # ---- prologue loads: Q, K_0..K_{NS-1}, V_0..V_{NS-1} ----------------------------------
-    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_smem)
-    for t in gl.static_range(NUM_STAGES):
-        if CAUSAL:
-            # key tile t, except for query tile 0: key tile 0 in every slot (kv_step = 0); with
-            # n_tiles == 2 no later load happens for it
-            row0 = kv_row + t * (kv_step - BLOCK_N)
-        else:
-            row0 = kv_row
-        _issue_kv(k_desc, k_smem, k_bars, t, row0, kv_col, BLOCK_N, NUM_STAGES, t < n_tiles)
-        _issue_kv(v_desc, v_smem, v_bars, t, row0, kv_col, BLOCK_N, NUM_STAGES, t < n_tiles)
-
-    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
-    l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
-    s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-
-    # ---- S_0 ----------------------------------------------------------------------------
-    mbarrier.wait(q_bar, 0)
-    mbarrier.wait(k_bars.index(0), 0)
-    s_tok = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False,
-                          is_async=True)
-    s_cur = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
-
-    if SINGLE:
-        acc, m_i, l_i = _single_tile(s_cur, m_i, l_i, qk_scale, v_smem, v_bars, m0,
-                                     BLOCK_M, BLOCK_N, HEAD_DIM, s_layout, o_layout, p_layout,
-                                     dtype, CAUSAL)
-    else:
-        acc, m_i, l_i = _mainloop(s_cur, m_i, l_i, qk_scale, q_smem, k_smem, v_smem, k_bars,
-                                  v_bars, k_desc, v_desc, kv_row, kv_col, n_tiles, s_zero, m0,
-                                  kv_step, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, s_layout,
-                                  o_layout, p_layout, dtype, CAUSAL)
-    _epilogue(acc, m_i, l_i, q_bar, k_bars, v_bars, q_smem, o_desc, O_ACC, LSE,
-              bh, SEQLEN_Q, m0, q_row, q_col, stride_os, stride_oh, stride_ls, stride_lh,
-              BLOCK_M, HEAD_DIM, NUM_STAGES, s_layout, o_layout, dtype, ACCUMULATE)
+    bars = (q_bars, k_full, k_empty, v_full, v_empty)
+    gl.warp_specialize([
+        (_consumer, (q_smem, k_smem, v_smem, bars, o_desc, O_ACC, LSE, stride_os, stride_oh,
+                     stride_ls, stride_lh, qk_scale, SEQLEN_Q, SEQLEN_K, H_Q, GROUP, 0, BLOCK_M,
+                     BLOCK_N, HEAD_DIM, NUM_STAGES, CAUSAL, ACCUMULATE)),
+        (_consumer, (q_smem, k_smem, v_smem, bars, o_desc, O_ACC, LSE, stride_os, stride_oh,
+                     stride_ls, stride_lh, qk_scale, SEQLEN_Q, SEQLEN_K, H_Q, GROUP, 1, BLOCK_M,
+                     BLOCK_N, HEAD_DIM, NUM_STAGES, CAUSAL, ACCUMULATE)),
+        (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, SEQLEN_Q, SEQLEN_K,
+                     H_Q, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, CAUSAL)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 # --------------------------------------------------------------------------- #
@@ -439,17 +391,17 @@ def launch_args(
     if accumulate is None:
         o = torch.empty((batch, sq, hq, d), dtype=q.dtype, device=q.device)
         lse = torch.empty((batch, hq, sq), dtype=torch.float32, device=q.device)
-        o_desc, o_acc, out = _rows_desc(o, BLOCK_M), None, (o, lse)
+        o_desc, o_acc, out = _rows_desc(o, WG_ROWS), None, (o, lse)
         strides = (0, 0, 0, 0)
     else:
         o_acc, lse = accumulate
         o_desc, out = None, None
         strides = (o_acc.stride(1), o_acc.stride(2), lse.stride(1), lse.stride(2))
-    args = (_rows_desc(q, BLOCK_M), _rows_desc(k, BLOCK_N), _rows_desc(v, BLOCK_N), o_desc, o_acc,
+    args = (_rows_desc(q, WG_ROWS), _rows_desc(k, BLOCK_N), _rows_desc(v, BLOCK_N), o_desc, o_acc,
             lse, *strides, float(softmax_scale) * _LOG2E, sq, sk, hq, hq // hkv)
     meta = dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, NUM_STAGES=NUM_STAGES,
-                CAUSAL=bool(causal), SINGLE=sk == BLOCK_N, ACCUMULATE=accumulate is not None,
-                num_warps=NUM_WARPS)
+                CAUSAL=bool(causal), ACCUMULATE=accumulate is not None,
+                CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=NUM_WARPS)
     return (batch * hq * (sq // BLOCK_M),), args, meta, out
 
 

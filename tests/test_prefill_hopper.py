@@ -198,12 +198,14 @@ def run_hopper(b: int, sq: int, sk: int, hq: int, hkv: int, dtype: torch.dtype,
 @hopper_gpu
 @HALF
 @pytest.mark.parametrize("sq,sk,causal", [
+    # causal: query tile m visits key tiles 0..m (n_tiles 1..8; 1 = the diagonal as S_0)
     pytest.param(s, s, c, id=f"{'causal' if c else 'full'}-{s // 128}-kv-tiles")
     for c in (True, False) for s in (128, 256, 384, 1024)
 ] + [
     pytest.param(256, 640, False, id="full-sq256-sk640"),
     pytest.param(640, 128, False, id="full-sq640-sk128-one-kv-tile"),
     pytest.param(128, 1024, False, id="full-sq128-sk1024"),
+    pytest.param(1024, 384, False, id="full-sq1024-sk384"),
 ])
 def test_kernel_matches_reference(sq: int, sk: int, causal: bool, dtype: torch.dtype) -> None:
     torch.manual_seed(sq + sk + causal)
@@ -214,11 +216,20 @@ def test_kernel_matches_reference(sq: int, sk: int, causal: bool, dtype: torch.d
 @hopper_gpu
 @HALF
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-@pytest.mark.parametrize("group", [1, 2, 3, 8], ids=lambda g: f"group-{g}")
-def test_kernel_gqa_groups(group: int, causal: bool, dtype: torch.dtype) -> None:
-    torch.manual_seed(group)
-    hkv = 1 if group == 8 else 2
-    run_hopper(2, 384, 384, group * hkv, hkv, dtype, causal)
+@pytest.mark.parametrize("hq,hkv", [(8, 2), (12, 4), (4, 4), (8, 1)],
+                         ids=["gqa-8-2", "gqa-12-4", "mha-4-4", "mqa-8-1"])
+def test_kernel_gqa_groups(hq: int, hkv: int, causal: bool, dtype: torch.dtype) -> None:
+    torch.manual_seed(hq + 16 * hkv)
+    run_hopper(2, 384, 384, hq, hkv, dtype, causal)
+
+
+@pytest.mark.gpu
+@hopper_gpu
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_kernel_batch_1_long(causal: bool) -> None:
+    """B = 1 (any batch stride) at 2048 rows, 16 key tiles: many ring laps (slot parities)."""
+    torch.manual_seed(5 + causal)
+    run_hopper(1, 2048, 2048, 4, 2, BF16, causal)
 
 
 def initial_state(b: int, sq: int, hq: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -234,15 +245,16 @@ def initial_state(b: int, sq: int, hq: int) -> tuple[torch.Tensor, torch.Tensor]
 @pytest.mark.gpu
 @hopper_gpu
 @HALF
-@pytest.mark.parametrize("group", [1, 3], ids=lambda g: f"group-{g}")
-def test_kernel_accumulate_matches_triton(group: int, dtype: torch.dtype,
+@pytest.mark.parametrize("group,sk", [(1, 256), (3, 256), (3, 128)],
+                         ids=["group-1", "group-3", "group-3-one-kv-tile"])
+def test_kernel_accumulate_matches_triton(group: int, sk: int, dtype: torch.dtype,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """A ring rank's steps on the Gluon kernel's fused merge: a key block of another rank (no
     mask, Sq != Sk) and the rank's own causal diagonal block, folded into a state with empty
     (NaN) rows; against the same steps through attention_merge_into on the Triton kernel and
     against the float64 reference (within 2x the Triton kernel's error)."""
-    torch.manual_seed(70 + group)
-    b, sq, sk, hkv = 2, 384, 256, 2
+    torch.manual_seed(70 + group + sk)
+    b, sq, hkv = 2, 384, 2
     hq = group * hkv
     q = rand(b, sq, hq, 128, dtype=dtype)
     k_other, v_other = rand(b, sk, hkv, 128, dtype=dtype), rand(b, sk, hkv, 128, dtype=dtype)
