@@ -55,16 +55,19 @@ def variants() -> list[dict]:
     dispatch). lse_offset: lse_acc starts that many floats into its buffer (1: not 16-byte
     aligned, as a slice of a ring's accumulator could be). dispatch=False: reachable only by
     calling hopper_attention_fwd directly (causal with one key tile: the dispatch keeps causal
-    calls up to 4096 rows on the Triton kernel). One-tile launches (Sk == 128) compile to the
-    same kernel as longer ones (no compile-time one-tile path)."""
+    calls below 2048 rows on the Triton kernel). Unmasked launches get enough query rows for the
+    dispatch's 512 programs (the lengths are not compile-time values: only their divisibility
+    by 16 is). One-tile launches (Sk == 128) compile to the same kernel as longer ones (no
+    compile-time one-tile path)."""
     out = []
     for dtype in (torch.bfloat16, torch.float16):
         for hq, hkv in HEADS:
-            for causal, sq, sk in ((False, 1024, 1024), (False, 512, 128), (True, 8192, 8192)):
+            rows = 128 * max(8, -(-512 // hq))  # >= 512 programs of 128 query rows
+            for causal, sq, sk in ((False, rows, 1024), (False, rows, 128), (True, 8192, 8192)):
                 for acc in (False, True):
                     out.append(dict(dtype=dtype, causal=causal, acc=acc, B=1, Sq=sq, Sk=sk,
                                     Hq=hq, Hkv=hkv, lse_offset=0, dispatch=True))
-    out.append(dict(out[0], Sq=384, Sk=2048))                  # Sq != Sk: same kernel
+    out.append(dict(out[0], Sk=384))                           # another Sk: same kernel
     out.append(dict(out[1], B=2))                              # batch 2: same kernel
     out.append(dict(out[1], lse_offset=1))                     # unaligned lse_acc
     for dtype in (torch.bfloat16, torch.float16):

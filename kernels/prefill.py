@@ -27,8 +27,9 @@ On sm_90 GPUs `flash_attention_fwd` hands the calls that `hopper_kernel_applies`
 warp-specialized Gluon kernel (kernels/prefill_hopper.py, imported on first use: a TMA
 producer warp and two consumer warpgroups on mbarrier rings, in FA3's order): bf16 / fp16,
 head_dim 128, dense, Sq and Sk multiples of 128, no mask or the plain causal diagonal (Sq ==
-Sk, equal int offsets; causal only above 4096 query rows: at 4096 the Triton kernel below
-measured faster than the previous Gluon kernel), with or without the fused merge. Everything
+Sk, equal int offsets), with or without the fused merge, where it measured faster than the
+Triton kernel on an H100: causal from 2048 query rows, unmasked from 512 programs (B * Hq *
+Sq / 128; the Triton kernel runs two programs per SM, the Gluon kernel one). Everything
 else, and every call with ``LONGCTX_PREFILL_KERNEL=triton`` in the environment (for A/B runs),
 runs the Triton kernel below; so do calls under the interpreter, with ``_config``, and on other
 GPUs.
@@ -401,11 +402,12 @@ def _set_allocator() -> None:
 # --------------------------------------------------------------------------- #
 # Hopper path (kernels/prefill_hopper.py)
 # --------------------------------------------------------------------------- #
-# Causal calls up to this many query rows stay on the Triton kernel: at 16/2 heads and 4096
-# tokens it measured 454 TFLOPS against the single-partition Gluon kernel's 406 on an H100
-# (BENCHMARKS.md, "Session 8 experiment: the overlap in Gluon"); not yet re-measured for the
-# warp-specialized kernel (bench/check_prefill_hopper.py times causal 2048-16384).
-_CAUSAL_TRITON_MAX_SEQLEN_Q = 4096
+# Where the Gluon kernel measured faster than the Triton kernel on an H100 (bf16, 16/2 and 32/32
+# heads, 1024-8192 rows; bench/results/prefill-short-h100.txt): causal from 2048 query rows
+# (16/2 2048: 318 vs 244 TFLOPS; 32/32 1024: 171 vs 190), unmasked from 512 programs of 128 query
+# rows (32/32 2048: 594 vs 436; 16/2 2048, 256 programs: 382 vs 444).
+_CAUSAL_MIN_SEQLEN_Q = 2048
+_MIN_PROGRAMS = 512
 _PREFILL_KERNEL_ENV = "LONGCTX_PREFILL_KERNEL"
 
 
@@ -444,15 +446,16 @@ def hopper_kernel_applies(
     True for: capability (9, 0); no ``_config``; dense; bf16 / fp16; head_dim 128; Sq and Sk
     multiples of 128; q, k, v whose (batch, seq) rows form a 2-D TMA tensor (`_tma_rows`);
     without a mask any Sq, Sk; causal only as the plain diagonal (Sq == Sk and q_start ==
-    k_start as python ints) and above 4096 query rows (measured rule); an accumulator whose
-    rows are addressed the same way (batch stride Sq * seq stride, or B == 1).
+    k_start as python ints) from 2048 query rows, without a mask from 512 programs (B * Hq *
+    Sq / 128) (measured rules); an accumulator whose rows are addressed the same way (batch
+    stride Sq * seq stride, or B == 1).
     """
     q_shape, k_shape, _ = shapes
     if capability != (9, 0) or config_given or varlen:
         return False
     if dtypes[0] not in (torch.bfloat16, torch.float16) or len(set(dtypes)) != 1:
         return False
-    batch, sq, _, d = q_shape
+    batch, sq, hq, d = q_shape
     sk = k_shape[1]
     if d != 128 or 0 in (*q_shape, *k_shape) or sq % 128 or sk % 128:
         return False
@@ -461,8 +464,10 @@ def hopper_kernel_applies(
         return False
     if causal:
         ints = all(isinstance(x, int) for x in (q_start, k_start))
-        if not (ints and q_start == k_start and sq == sk and sq > _CAUSAL_TRITON_MAX_SEQLEN_Q):
+        if not (ints and q_start == k_start and sq == sk and sq >= _CAUSAL_MIN_SEQLEN_Q):
             return False
+    elif batch * hq * (sq // 128) < _MIN_PROGRAMS:
+        return False
     if accumulate_strides is not None and batch > 1:
         (sob, sos, *_), (slb, sls, _) = accumulate_strides
         return sob == sq * sos and slb == sq * sls

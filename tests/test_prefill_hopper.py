@@ -63,8 +63,11 @@ ACCEPTED = [
     pytest.param(dict(causal=True), id="causal-diagonal-8192-rows"),
     pytest.param(dict(causal=True, q_start=1000, k_start=1000), id="causal-equal-int-offsets"),
     pytest.param(dict(dtypes=(FP16,) * 3), id="fp16"),
-    pytest.param(dict(q=(2, 256, 16, 128), k=(2, 640, 2, 128)), id="no-mask-sq-ne-sk"),
-    pytest.param(dict(q=(2, 640, 16, 128), k=(2, 128, 2, 128)), id="no-mask-one-kv-tile"),
+    pytest.param(dict(q=(2, 2048, 16, 128), k=(2, 640, 2, 128)), id="no-mask-sq-ne-sk"),
+    pytest.param(dict(q=(2, 2048, 16, 128), k=(2, 128, 2, 128)), id="no-mask-one-kv-tile"),
+    pytest.param(dict(q=(1, 4096, 16, 128), k=(1, 4096, 2, 128)), id="no-mask-512-programs"),
+    pytest.param(dict(causal=True, q=(1, 2048, 16, 128), k=(1, 2048, 2, 128)),
+                 id="causal-2048-rows"),
     pytest.param(dict(q=(2, 8192, 12, 128), k=(2, 8192, 4, 128)), id="gqa-group-3-12-4"),
     pytest.param(dict(q=(2, 8192, 8, 128), k=(2, 8192, 1, 128)), id="mqa-group-8"),
     pytest.param(dict(q_start=torch.tensor([0, 5]), k_start=7),
@@ -104,8 +107,10 @@ DECLINED = [
     pytest.param(dict(q=(1, 8192, 16, 128), k=(1, 8192, 2, 128),
                       strides=(contiguous((1, 8192, 16, 128)), (0, 0, 128, 1), (0, 0, 128, 1))),
                  id="k-rows-overlap-expanded"),
-    pytest.param(dict(causal=True, q=(2, 4096, 16, 128), k=(2, 4096, 2, 128)),
-                 id="causal-4096-rows-stays-on-triton"),
+    pytest.param(dict(causal=True, q=(2, 1920, 16, 128), k=(2, 1920, 2, 128)),
+                 id="causal-below-2048-rows-stays-on-triton"),
+    pytest.param(dict(q=(1, 2048, 16, 128), k=(1, 2048, 2, 128)),
+                 id="no-mask-256-programs-stays-on-triton"),
     pytest.param(dict(causal=True, k=(2, 16384, 2, 128)), id="causal-sq-ne-sk"),
     pytest.param(dict(causal=True, q_start=0, k_start=128), id="causal-offsets-differ"),
     pytest.param(dict(causal=True, q_start=torch.tensor([0, 0]), k_start=torch.tensor([0, 0])),
@@ -313,22 +318,24 @@ def test_dispatch_picks_the_gluon_kernel(gluon_calls: list[dict],
     """longctx.attention / attention_merge_into run the Gluon kernel where the rule says so
     (with correct results), the Triton kernel elsewhere and under LONGCTX_PREFILL_KERNEL=triton."""
     torch.manual_seed(80)
-    # causal above 4096 rows: the Gluon kernel, checked against the reference
-    q = rand(1, 4224, 2, 128, dtype=BF16)
-    k, v = rand(1, 4224, 1, 128, dtype=BF16), rand(1, 4224, 1, 128, dtype=BF16)
+    # causal from 2048 rows: the Gluon kernel, checked against the reference
+    q = rand(1, 4224, 16, 128, dtype=BF16)
+    k, v = rand(1, 4224, 2, 128, dtype=BF16), rand(1, 4224, 2, 128, dtype=BF16)
     o, lse = longctx.attention(q, k, v, causal=True, return_lse=True)
     assert len(gluon_calls) == 1 and gluon_calls[0]["causal"]
     o_ref, lse_ref = ref_seq(q[0], k[0], v[0], 128 ** -0.5, True, 0, 0)
     o_half = torch_half_seq(q[0], k[0], v[0], 128 ** -0.5, True, 0, 0)
     check(o[0], lse[0], o_ref, lse_ref, BF16, o_half)
-    # no mask, fused merge: the Gluon kernel
-    o_acc = torch.zeros(1, 4224, 2, 128, device="cuda")
-    lse_acc = torch.full((1, 4224, 2), float("-inf"), device="cuda")
-    longctx.attention(q[:, :256], k, v)
+    # no mask from 512 programs (16 heads x 32 query tiles), fused merge: the Gluon kernel
+    o_acc = torch.zeros(1, 4224, 16, 128, device="cuda")
+    lse_acc = torch.full((1, 4224, 16), float("-inf"), device="cuda")
+    longctx.attention(q[:, :4096], k, v)
     longctx.attention_merge_into(o_acc, lse_acc, q, k, v)
     assert len(gluon_calls) == 3 and gluon_calls[2]["accumulate"] is not None
-    # the Triton kernel: causal up to 4096 rows, ragged lengths, offsets, fp32
-    longctx.attention(q[:, :4096], k[:, :4096], v[:, :4096], causal=True)
+    # the Triton kernel: causal below 2048 rows, no mask with 256 programs, ragged lengths,
+    # offsets, fp32
+    longctx.attention(q[:, :1920], k[:, :1920], v[:, :1920], causal=True)
+    longctx.attention(q[:, :2048], k, v)
     longctx.attention(q[:, :200], k, v)
     longctx.attention(q, k, v, causal=True, q_start=5)
     longctx.attention(q.float(), k.float(), v.float())
@@ -352,7 +359,7 @@ def test_ring_plan_on_the_gluon_kernel(gluon_calls: list[dict],
     from tests.test_ring_gpu import _ring_sequence
 
     g = torch.Generator(device="cuda").manual_seed(2)
-    S, hq, hkv = 16384, 8, 2
+    S, hq, hkv = 16384, 16, 2  # the remote blocks: 4096 x 8192 rows x 16 heads = 512 programs
     q = torch.randn(1, S, hq, 128, device="cuda", generator=g).to(BF16)
     k, v = (torch.randn(1, S, hkv, 128, device="cuda", generator=g).to(BF16) for _ in range(2))
     ref = torch.nn.functional.scaled_dot_product_attention(
