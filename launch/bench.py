@@ -14,6 +14,7 @@ import json
 import math
 import os
 import sys
+import time
 from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
@@ -323,6 +324,18 @@ def environment() -> dict:
 
 
 @hydra.main(config_path="../configs", config_name="bench", version_base="1.3")
+def warm_up_gpu(seconds: float = 1.0) -> None:
+    """Keep the GPU busy for `seconds` so that the first timed row does not run on clocks that
+    are still ramping up from idle (session 9: the first row of an H200 prefill run measured 281
+    TFLOPS, 480 in two re-runs a minute later; bench/results/prefill-h200-4096-rerun*.json)."""
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        for _ in range(20):
+            a @ a
+        torch.cuda.synchronize()
+
+
 def main(cfg: DictConfig) -> None:
     if not torch.cuda.is_available():
         sys.exit("launch/bench.py needs a CUDA GPU")
@@ -335,6 +348,7 @@ def main(cfg: DictConfig) -> None:
     env = environment()
     print(f"{env['device']} | torch {env['torch']} | triton {env['triton']} | commit {env['commit']} "
           f"| prefill kernel {env['prefill_kernel']}")
+    warm_up_gpu()
     result = run_decode(cfg) if cfg.case == "decode" else run_prefill(cfg)
     case_cfg = cfg[cfg.case]
     out = Path(cfg.output_dir)
