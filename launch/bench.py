@@ -323,7 +323,6 @@ def environment() -> dict:
             "prefill_kernel": os.environ.get("LONGCTX_PREFILL_KERNEL") or "auto"}
 
 
-@hydra.main(config_path="../configs", config_name="bench", version_base="1.3")
 def warm_up_gpu(seconds: float = 1.0) -> None:
     """Keep the GPU busy for `seconds` so that the first timed row does not run on clocks that
     are still ramping up from idle (session 9: the first row of an H200 prefill run measured 281
@@ -336,6 +335,7 @@ def warm_up_gpu(seconds: float = 1.0) -> None:
         torch.cuda.synchronize()
 
 
+@hydra.main(config_path="../configs", config_name="bench", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     if not torch.cuda.is_available():
         sys.exit("launch/bench.py needs a CUDA GPU")
