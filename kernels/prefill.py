@@ -48,7 +48,7 @@ import triton.language as tl
 from longctx.backend import interpreter_active
 from longctx.checks import check_accumulator
 from longctx.kernels.merge import _rescale, _state_lse
-from longctx.kernels.utils import cdiv, next_power_of_2
+from longctx.kernels.utils import cdiv, device_capability, next_power_of_2
 
 __all__ = ["flash_attention_fwd", "hopper_kernel_applies"]
 
@@ -484,11 +484,6 @@ def _prefill_kernel_choice() -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _capability(device_index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device_index)
-
-
-@functools.lru_cache(maxsize=None)
 def _hopper_module() -> ModuleType | None:
     """kernels/prefill_hopper.py, imported on first use only (it needs Gluon, which has no
     interpreter); None where this Triton cannot import it."""
@@ -506,11 +501,11 @@ def _hopper_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
     """The Hopper kernel's module if this call runs it, else None."""
     if not q.is_cuda or _INTERPRET or _prefill_kernel_choice() == "triton":
         return None
-    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
     applies = hopper_kernel_applies(
         dtypes=(q.dtype, k.dtype, v.dtype), shapes=(q.shape, k.shape, v.shape),
         strides=(q.stride(), k.stride(), v.stride()),
-        data_ptrs=(q.data_ptr(), k.data_ptr(), v.data_ptr()), capability=_capability(index),
+        data_ptrs=(q.data_ptr(), k.data_ptr(), v.data_ptr()),
+        capability=device_capability(q.device),
         causal=bool(causal), q_start=q_start, k_start=k_start, varlen=varlen,
         config_given=config_given,
         accumulate_strides=None if accumulate is None else tuple(t.stride() for t in accumulate))

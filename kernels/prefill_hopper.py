@@ -63,6 +63,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from longctx.kernels.merge import _rescale, _state_lse
+
 __all__ = ["hopper_attention_fwd"]
 
 _LOG2E = 1.4426950408889634
@@ -176,8 +178,9 @@ def _merge_into_state(o, lse, O_ACC, LSE_ACC, q_row, q_col,
     """Fold a warpgroup's state (o [ROWS, HEAD_DIM] normalised fp32, lse [ROWS] natural log)
     into the running state O_ACC [B, Sq, Hq, D] / LSE_ACC [B, Sq, Hq] float32, in place.
 
-    kernels/prefill.py's ACCUMULATE epilogue, i.e. merge_into's rule (kernels/merge.py:
-    _rescale, _state_lse): each (row, head) belongs to exactly one warpgroup of one program.
+    kernels/prefill.py's ACCUMULATE epilogue: merge_into's rule through the merge layer's own
+    `_rescale` / `_state_lse` (kernels/merge.py; Triton functions, callable from Gluon). Each
+    (row, head) belongs to exactly one warpgroup of one program.
     Rows are addressed like q's TMA rows, row q_row + r of [B * Sq] (batch stride Sq * seq
     stride), head q_col / HEAD_DIM.
     """
@@ -188,10 +191,7 @@ def _merge_into_state(o, lse, O_ACC, LSE_ACC, q_row, q_col,
     o_ptrs = O_ACC + h64 * stride_oh + gl.expand_dims(rows * stride_os, 1) + gl.expand_dims(cols, 0)
     lse_old = gl.load(l_ptrs)
     m = gl.maximum(lse_old, lse)
-    # while everything seen is empty (m = -inf) shift by 0: weights 0 instead of NaN
-    m_safe = gl.where(m == float("-inf"), 0.0, m)
-    w_old = gl.exp(lse_old - m_safe)
-    w_new = gl.exp(lse - m_safe)
+    w_old, w_new = _rescale(lse_old, m, lse)
     # an empty running state (w_old == 0) is never read: its O may be anything, NaN included
     o_old = gl.load(o_ptrs, mask=gl.expand_dims(w_old > 0, 1), other=0.0)
     s = w_old + w_new
@@ -202,7 +202,7 @@ def _merge_into_state(o, lse, O_ACC, LSE_ACC, q_row, q_col,
     # named barrier over the partition's 128 threads.
     gl.thread_barrier()
     gl.store(o_ptrs, o)
-    gl.store(l_ptrs, m_safe + gl.log(s))
+    gl.store(l_ptrs, _state_lse(m, s))
 
 
 # --------------------------------------------------------------------------- #

@@ -42,6 +42,16 @@ def device_sms(device: torch.device) -> int:
 
 
 @functools.lru_cache(maxsize=None)
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
+def device_capability(device: torch.device) -> tuple[int, int] | None:
+    """Compute capability of a CUDA device (cached; no sync); None for other devices."""
+    return _capability(cuda_index(device)) if device.type == "cuda" else None
+
+
+@functools.lru_cache(maxsize=None)
 def _device_name(device_index: int) -> str:
     return torch.cuda.get_device_name(device_index)
 
@@ -66,9 +76,8 @@ def pdl_off() -> Iterator[None]:
         _pdl_off = prev
 
 
-@functools.lru_cache(maxsize=None)
 def _has_pdl(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index)[0] >= 9
+    return _capability(device_index)[0] >= 9
 
 
 def pdl_launch(device: torch.device) -> dict:
