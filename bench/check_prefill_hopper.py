@@ -24,7 +24,6 @@ the watchdog sees progress and names the culprit.
     dispatch rule (kernels/prefill.py) declines, both longctx columns run the Triton kernel.
 Runtime on an H100: ~1.5 minutes.
 """
-import math
 import os
 import select
 import statistics
@@ -55,12 +54,14 @@ def short(e):
 # child side (GPU)
 # =============================================================================================
 def child_imports():
-    global torch, triton, longctx, PH
+    global torch, triton, longctx, PH, reference_attention, merge_states_torch
     import torch
     import triton
 
     import longctx
     import longctx.kernels.prefill_hopper as PH
+    from longctx.merge import merge_states_torch
+    from longctx.reference import reference_attention
 
 
 class GluonCounter:
@@ -87,35 +88,15 @@ def rand(shape, dtype, g):
 
 
 def reference(q, k, v, scale, causal):
-    """fp32 o [B, Sq, Hq, D], lse [B, Hq, Sq]; one head at a time (memory)."""
-    b, sq, hq, d = q.shape
-    group = hq // k.shape[2]
-    o = torch.empty(b, sq, hq, d, device="cuda")
-    lse = torch.empty(b, hq, sq, device="cuda")
-    for h in range(hq):
-        qf = q[:, :, h].float()
-        kf, vf = k[:, :, h // group].float(), v[:, :, h // group].float()
-        s = torch.matmul(qf, kf.transpose(-1, -2)) * scale
-        if causal:
-            above = torch.ones(sq, sq, device="cuda", dtype=torch.bool).triu(1)
-            s.masked_fill_(above, float("-inf"))
-        lse[:, h] = torch.logsumexp(s, dim=-1)
-        o[:, :, h] = torch.matmul(torch.softmax(s, dim=-1), vf)
-        del s
-    return o, lse
+    """The project's reference attention in fp32: o [B, Sq, Hq, D] float32, lse [B, Hq, Sq]."""
+    return reference_attention(q.float(), k.float(), v.float(), causal=causal,
+                               softmax_scale=scale)
 
 
 def merge_ref(o_acc, lse_acc, o, lse):
-    """merge_into's rule in torch, fp32: state [B, Sq, Hq, D] / [B, Sq, Hq]; lse [B, Hq, Sq]."""
-    lse = lse.transpose(1, 2)
-    m = torch.maximum(lse_acc, lse)
-    m_safe = torch.where(m == float("-inf"), torch.zeros_like(m), m)
-    w_old, w_new = torch.exp(lse_acc - m_safe), torch.exp(lse - m_safe)
-    o_old = torch.where((w_old > 0)[..., None], o_acc, torch.zeros_like(o_acc))
-    s = w_old + w_new
-    o_new = ((o_old * w_old[..., None] + o * w_new[..., None])
-             / torch.where(s > 0, s, 1.0)[..., None])
-    return o_new, m_safe + torch.log(s)
+    """merge_into's rule (the merge layer's torch merge): state [B, Sq, Hq, D] / [B, Sq, Hq],
+    part o [B, Sq, Hq, D] / lse [B, Hq, Sq]."""
+    return merge_states_torch(torch.stack([o_acc, o]), torch.stack([lse_acc, lse.transpose(1, 2)]))
 
 
 def verdict(name, errs, ref_errs, finite, counted):
