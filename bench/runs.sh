@@ -1,14 +1,22 @@
 #!/usr/bin/env bash
-# The model-level measurements of BENCHMARKS.md on one host (run from the repository root on a GPU
-# machine; Hydra may come as wheels in .whl/). Output goes to $OUT (default bench/results/raw).
+# The GPU measurements of BENCHMARKS.md, one subcommand each, on one host (run from the repository
+# root of a GPU machine; Hydra may come as wheels in .whl/, see bench/device_env.sh):
+#   bash bench/runs.sh check "case=decode tag=h100" "case=prefill tag=h100"
+#                                           # the test suite on this GPU (TESTS overrides pytest's
+#                                           # arguments, SKIP_TESTS=1 skips it), then launch/bench.py
+#                                           # once per quoted argument list: the kernel tables
 #   bash bench/runs.sh decode 16384 65536   # CodeLlama-34B decode: tp=G and sp=G (G=1: one run each)
+#   LAYOUTS="parallel.tp=2,parallel.sp=2" bash bench/runs.sh decode 16384   # other tp x sp splits
 #   bash bench/runs.sh hf 16384 65536       # the transformers peer on one GPU at these contexts
 #   bash bench/runs.sh ring                 # ring prefill vs one GPU and torch context parallel
-#   bash bench/runs.sh ring4                # the same at 131072 and 524288 tokens (issue 7, 4 GPUs)
-#   LAYOUTS="parallel.tp=2,parallel.sp=2" bash bench/runs.sh decode 16384   # other tp x sp splits
+#   bash bench/runs.sh ring4                # the same at 131072 and 524288 tokens (4 GPUs)
 #   bash bench/runs.sh allreduce            # NCCL vs symmetric-memory all-reduce latency
-# G = NGPU (default: all visible GPUs).
+# G = NGPU (default: all visible GPUs). Output (JSON, plots, runs.log) goes to $OUT, default the
+# untracked bench/results/raw/; copy what a BENCHMARKS.md table cites into bench/results/.
+# Exit status 1 if any step failed; every step runs regardless.
 set -uo pipefail
+usage="check <bench args>... | decode <contexts> | hf <contexts> | ring | ring4 | allreduce"
+case ${1:-} in check|decode|hf|ring|ring4|allreduce) ;; *) echo "usage: bash bench/runs.sh $usage"; exit 2 ;; esac
 cd "$(dirname "$0")/.."
 source bench/device_env.sh || exit 1
 out=${OUT:-bench/results/raw}
@@ -16,13 +24,29 @@ mkdir -p "$out"
 G=${NGPU:-$(python3 -c "import torch; print(torch.cuda.device_count())")}
 what=$1
 shift
-run() { echo "+ $*"; "$@" 2>&1 | grep -v -i "warn" | tee -a "$out/runs.log"; }
+status=0
+run() {  # run CMD...: CMD's output (warnings dropped) on the console and in $out/runs.log
+  echo "+ $*" | tee -a "$out/runs.log"
+  "$@" 2>&1 | grep -v -i "warn" | tee -a "$out/runs.log"
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+}
 prefill() {  # prefill S KV_HEADS ARGS...: ring prefill, 32 query heads, head_dim 128, bf16, causal
   local S=$1 kv=$2; shift 2
   run torchrun --nproc_per_node="$G" launch/prefill.py seq_len="$S" q_heads=32 kv_heads="$kv" \
     head_dim=128 dtype=bfloat16 causal=true "$@"
 }
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader | tee -a "$out/runs.log"
 case $what in
+  check)
+    if [ -z "${SKIP_TESTS:-}" ]; then
+      # shellcheck disable=SC2086
+      run python3 -m pytest -q ${TESTS:-tests/}
+    fi
+    for args in "$@"; do
+      # shellcheck disable=SC2086
+      run python3 launch/bench.py $args output_dir="$out"
+    done
+    ;;
   ring)
     for S in 32768 131072; do
       prefill $S 32 warmup=2 iters=5 compare_max_len=131072 "peers=[cp_cudnn,cp_flash]"
@@ -45,8 +69,8 @@ case $what in
       for par in "${layouts[@]}"; do
         tag="decode_g${G}_$(echo "$par" | sed 's/parallel\.//g' | tr -d '=,')_$C"
         run torchrun --nproc_per_node="$G" launch/decode.py +model=codellama34b ${par//,/ } \
-          context_len="$C" gen_len=64 profile="${PROFILE:-false}" output="/tmp/runs/$tag"
-        cp "$(ls -d /tmp/runs/"$tag"/*/ | tail -1)summary.json" "$out/$tag.json"
+          context_len="$C" gen_len=64 profile="${PROFILE:-false}" output="$out/runs/$tag"
+        cp "$(ls -d "$out/runs/$tag"/*/ | tail -1)summary.json" "$out/$tag.json" || status=1
       done
     done
     ;;
@@ -55,5 +79,5 @@ case $what in
       run python3 bench/hf_peer.py --context "$C" --gen 24 --out "$out/hf_peer_$C.json"
     done
     ;;
-  *) echo "unknown: $what (decode <contexts> | hf <contexts> | ring | ring4 | allreduce)"; exit 2 ;;
 esac
+exit $status
