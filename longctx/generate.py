@@ -92,18 +92,20 @@ class Generation:
     prefill_s: float | None = None  # wall time of the prefill (first token included), warm;
     # None without a prefill (synthetic cache)
     warmup_s: float | None = None  # the first prefill call before it: compiling the kernels
-    warmup_len: int = 0  # prompt positions that warm-up ran (`warmup_len`)
+    warmup_len: int = 0  # prompt positions that the warm-up ran (`warmup_spans`)
     fill_s: float | None = None  # synthetic cache: time to fill it (no prefill)
 
 
-def warmup_len(prompt_len: int, chunk: int | None) -> int:
-    """Positions of a warm-up prefill that launches the kernels the real one does: the whole
-    prompt if it is at most two chunks, else one full chunk followed by one as long as the real
-    last chunk (so the same shapes, the cross-chunk attention and, under sequence parallelism,
-    the same tail of decode steps run, chunk being a multiple of 2 sp)."""
-    if not chunk or prompt_len <= 2 * chunk:
-        return prompt_len
-    return chunk + (prompt_len - 1) % chunk + 1
+def warmup_spans(prompt_len: int, chunk: int | None) -> list[tuple[int, int]]:
+    """[start, end) of the warm-up prefill calls, which launch the kernels the real prefill does:
+    the whole prompt if it is one chunk, else its first chunk and its last chunk at their own
+    positions (the last attends over the whole cache, so the kernel variants chosen by the key
+    length compile too; the positions it skips hold whatever the cache held, and the real
+    prefill overwrites everything the warm-up wrote). With chunk a multiple of 2 sp both calls
+    are valid sequence-parallel prefills, the tail of decode steps included."""
+    if not chunk or prompt_len <= chunk:
+        return [(0, prompt_len)]
+    return [(0, chunk), (chunk * ((prompt_len - 1) // chunk), prompt_len)]
 
 
 def generate(model: Transformer, prompt: torch.Tensor, gen_len: int, *,
@@ -112,9 +114,9 @@ def generate(model: Transformer, prompt: torch.Tensor, gen_len: int, *,
     """Prefill `prompt` [B, P] int64 (on the model's device) in chunks of `prefill_chunk`
     positions (None: all at once), then decode gen_len - 1 steps.
 
-    The model's caches must hold P + gen_len - 1 positions. `warm_up` first runs a prefill of the
-    prompt's first `warmup_len` positions (timed apart: on a GPU it compiles the kernels), whose
-    cache writes the real prefill overwrites, so that `prefill_s` is the warm time. `progress`
+    The model's caches must hold P + gen_len - 1 positions. `warm_up` first runs the prefill
+    calls of `warmup_spans` (timed apart: on a GPU they compile the kernels), whose cache writes
+    the real prefill overwrites, so that `prefill_s` is the warm time. `progress`
     shows a tqdm bar on stderr when it is a terminal.
     """
     B, P = prompt.shape
@@ -123,10 +125,11 @@ def generate(model: Transformer, prompt: torch.Tensor, gen_len: int, *,
     warmup_s, w = None, 0
     with torch.no_grad():
         if warm_up:
-            w = warmup_len(P, prefill_chunk)
             sync()
             t0 = time.perf_counter()
-            model.prefill(prompt[:, :w], positions[:w], chunk=prefill_chunk)
+            for start, end in warmup_spans(P, prefill_chunk):
+                model.prefill(prompt[:, start:end], positions[start:end], chunk=prefill_chunk)
+                w += end - start
             sync()
             warmup_s = time.perf_counter() - t0
         sync()

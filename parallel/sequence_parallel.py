@@ -138,14 +138,15 @@ class SequenceParallelKVCache(KVCache):
 
 def apply_sequence_parallel(model: Transformer, group) -> None:
     """Shard `model`'s KV caches by position over the ranks of `group` (call before
-    setup_caches) and make `model.prefill(tokens, input_pos, chunk=None)` take the whole prompt:
-    tokens [B, P] at positions 0..P-1, identical on every rank, returning the last position's
-    logits [B, V] on every rank.
+    setup_caches) and make `model.prefill(tokens, input_pos, chunk=None)` take whole prompts:
+    tokens [B, P] at positions start..start+P-1 (input_pos), identical on every rank, returning
+    the last position's logits [B, V] on every rank. start is 0, or a multiple of 2 sp after a
+    prefill that has put positions [0, start) in the caches.
 
-    Its longest prefix that the zigzag layout splits evenly (n = P - P % (2 sp)) runs in chunks
-    of `chunk` positions (a multiple of 2 sp; None: one chunk), each rank running the model on
-    its zigzag shard of each chunk (SequenceParallelKVCache.prefill); the last P - n (< 2 sp)
-    tokens then run as decode steps, which place them round-robin.
+    The longest part that the zigzag layout splits evenly (n = P - P % (2 sp) positions) runs in
+    chunks of `chunk` positions (a multiple of 2 sp; None: one chunk), each rank running the
+    model on its zigzag shard of each chunk (SequenceParallelKVCache.prefill); the last P - n
+    (< 2 sp) tokens then run as decode steps, which place them round-robin.
     """
     if model.max_seq_len:
         raise RuntimeError("apply_sequence_parallel must come before model.setup_caches()")
@@ -156,22 +157,25 @@ def apply_sequence_parallel(model: Transformer, group) -> None:
                 chunk: int | None = None) -> torch.Tensor:
         chunk = check_sp_chunk(chunk, sp)
         B, P = tokens.shape
-        if P == 0 or input_pos.shape != (P,) or int(input_pos[0]) != 0:
-            raise ValueError("sequence-parallel prefill takes the whole prompt at positions "
-                             f"0..{P - 1}, got input_pos of shape {tuple(input_pos.shape)}")
+        first = int(input_pos[0]) if P and input_pos.shape == (P,) else -1
+        if first < 0 or first % (2 * sp):
+            raise ValueError("sequence-parallel prefill takes positions start..start+P-1 with "
+                             f"start a multiple of 2 x sp ({2 * sp}) and P >= 1, got input_pos "
+                             f"of shape {tuple(input_pos.shape)} from {first}")
         n = P - P % (2 * sp)
         logits = None
         for start, end in chunk_spans(n, chunk):
             h = model.prefill_hidden(shard_sequence(tokens[:, start:end], group, LAYOUT, dim=1),
                                      shard_sequence(input_pos[start:end], group, LAYOUT, dim=0))
         if n == P:  # position P-1 ends one rank's shard of the last chunk; its row goes to all
-            first, length = shard_chunks(end - start, sp, rank, LAYOUT)[-1]
-            if first + length != end - start:
+            begin, length = shard_chunks(end - start, sp, rank, LAYOUT)[-1]
+            if begin + length != end - start:
                 h = torch.zeros_like(h)
             dist.all_reduce(h, group=group)
             logits = model.lm_head(h).float()
         for p in range(n, P):
-            logits = model.decode_step(tokens[:, p], torch.full((B,), p, device=tokens.device))
+            logits = model.decode_step(tokens[:, p], torch.full((B,), first + p,
+                                                                device=tokens.device))
         return logits
 
     model.prefill = prefill

@@ -6,7 +6,7 @@ import torch
 
 from longctx.backend import force_triton
 from longctx.config import ModelArgs
-from longctx.generate import generate, generate_synthetic, warmup_len
+from longctx.generate import generate, generate_synthetic, warmup_spans
 from longctx.model import chunk_spans
 from longctx.parallel.build import build_model
 from longctx.weights import RandomWeights
@@ -98,17 +98,17 @@ def test_prefill_needs_a_prompt():
         model.prefill(torch.zeros(B, 0, dtype=torch.int64), torch.arange(0))
 
 
-def test_chunk_spans_and_warmup_len():
+def test_chunk_spans_and_warmup_spans():
     assert chunk_spans(10, 4) == [(0, 4), (4, 8), (8, 10)]
     assert chunk_spans(10, None) == chunk_spans(10, 0) == chunk_spans(10, 20) == [(0, 10)]
     assert chunk_spans(1, 1) == [(0, 1)] and chunk_spans(0, 4) == []
-    # At most two chunks: the whole prompt. Else a full chunk and one as long as the last.
-    assert warmup_len(100, None) == warmup_len(100, 50) == 100
-    assert warmup_len(101, 50) == 51 and warmup_len(150, 50) == 100 and warmup_len(1000, 64) == 104
-    for p, c in ((101, 50), (150, 50), (1000, 64), (977, 7)):
-        w = warmup_len(p, c)
-        assert chunk_spans(w, c)[-1][1] - chunk_spans(w, c)[-1][0] == \
-            chunk_spans(p, c)[-1][1] - chunk_spans(p, c)[-1][0]
+    # One chunk: the whole prompt. Else the first chunk and the last, at their positions.
+    assert warmup_spans(100, None) == warmup_spans(100, 100) == [(0, 100)]
+    assert warmup_spans(101, 50) == [(0, 50), (100, 101)]
+    assert warmup_spans(150, 50) == [(0, 50), (100, 150)]
+    for p, c in ((101, 50), (150, 50), (1000, 64), (977, 7), (8, 1)):
+        spans = chunk_spans(p, c)
+        assert warmup_spans(p, c) == [spans[0], spans[-1]]
 
 
 def test_warm_up_does_not_change_the_tokens():

@@ -50,6 +50,21 @@ def _compare(args, mesh, weights=None, prompt_len=PROMPT, chunk=None) -> None:
     assert torch.equal(got, want), (got, want)
 
 
+def _continued_prefill(args, mesh) -> None:
+    """A sequence-parallel prefill may continue one that filled positions [0, start), start a
+    multiple of 2 sp (as the warm-up's last chunk does): the same logits as one prefill."""
+    n = 21
+    prompt = torch.randint(0, args.vocab_size, (BATCH, n), generator=torch.Generator().manual_seed(4))
+    ref, par = _build(args, prompt_len=n), _build(args, mesh, prompt_len=n)
+    pos = torch.arange(n)
+    with torch.no_grad():
+        par.prefill(prompt[:, :12], pos[:12], chunk=4)
+        got = par.prefill(prompt[:, 12:], pos[12:], chunk=4)  # 8 positions in 2 chunks + 1
+        torch.testing.assert_close(got, ref.prefill(prompt, pos), rtol=1e-5, atol=1e-5)
+        with pytest.raises(ValueError, match=r"start a multiple of 2 x sp \(4\) .* from 6"):
+            par.prefill(prompt[:, 6:], pos[6:])
+
+
 def _compare_synthetic(args, mesh, context_len) -> None:
     """Decode after `fill_random_cache` with sequence parallelism: each rank fills its share of
     positions [0, context_len), placed round-robin (position q on sp rank q % sp, slot q // sp),
@@ -99,6 +114,7 @@ def _world_of_2(rank, world, mqa_checkpoint):
     with pytest.raises(ValueError, match=r"prefill_chunk \(6\) must be a multiple of 2 x "
                                          r"parallel.sp \(4\)"):
         _compare(tiny(2), sp_mesh, chunk=6)
+    _continued_prefill(tiny(2), sp_mesh)
     for context_len in (11, 1):
         _compare_synthetic(tiny(2), sp_mesh, context_len)
     if interpreter_active():  # the same through the Triton kernels: attention, decode, merge
