@@ -198,3 +198,27 @@ def test_chunked_prefill_bf16_on_cuda_within_twice_the_unchunked_error():
             err = (low.prefill(tokens, pos, chunk=chunk) - want).abs().max().item()
             assert err <= 2 * base, (chunk, err, base)
     assert want.std() > 0.5 and base > 0
+
+
+@pytest.mark.gpu
+def test_synthetic_cache_on_cuda_in_bf16():
+    """On a GPU in bf16: the fill runs on the device (a CUDA generator), gives each KV head the
+    std of Attention.kv_std (within 2%: ~10^6 draws per head) and leaves later positions empty;
+    decoding from it gives finite logits."""
+    args = ModelArgs(n_layers=2, dim=1024, n_heads=8, n_kv_heads=2, head_dim=128,
+                     intermediate_size=2816, vocab_size=4096)
+    n = 8191
+    model = build_model(args, weights=RandomWeights(seed=1), device="cuda", dtype=torch.bfloat16,
+                        batch=2, max_seq_len=n + 4)
+    g = generate_synthetic(model, n, 4, batch=2, seed=3)
+    assert g.fill_s > 0 and g.tokens.shape == (2, 4)
+    for layer in model.layers:
+        attn = layer.self_attn
+        want = attn.kv_std(layer.input_layernorm.weight)
+        for cache, std in zip((attn.kv_cache.k_cache, attn.kv_cache.v_cache), want):
+            got = cache[:, :n].float().std(dim=(0, 1, 3))
+            torch.testing.assert_close(got, std, rtol=0.02, atol=0)
+            assert cache[:, n + 3:].abs().max() == 0  # decode wrote n .. n+2 only
+    with torch.no_grad():
+        logits = model.decode_step(g.tokens[:, -1].cuda(), torch.full((2,), n + 3, device="cuda"))
+    assert torch.isfinite(logits).all()
