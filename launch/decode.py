@@ -4,12 +4,16 @@
     torchrun --nproc_per_node=8 launch/decode.py +model=codellama34b parallel.tp=8 context_len=32768
     torchrun --nproc_per_node=4 launch/decode.py +model=llama3_8b parallel.tp=2 parallel.sp=2
     python launch/decode.py model.checkpoint=<hf llama dir> prompt="def quicksort(xs):" gen_len=64
+    python launch/decode.py +model=codellama34b prefill=synthetic context_len=400000  # no prefill
 
 Options: configs/decode.yaml. Weights are seeded random (no download) unless model.checkpoint is
-given. Decode is memory-bound, so the report counts the bytes each step reads across all GPUs
-(weights, KV cache) and compares the time against GPUs x the HBM read bandwidth measured at
-start-up. Each run writes <output>/<timestamp>/ (summary.json, config.yaml, rank<r>.log); the
-console shows rank 0.
+given. The prompt is prefilled in chunks of prefill_chunk positions, so the largest context is
+set by the weights and the KV cache (printed at start-up for the chosen layout); the prefill is
+timed warm, after a warm-up call that compiles the kernels. prefill=synthetic skips it: the KV
+cache holds seeded random values of the model's K/V scale. Decode is memory-bound, so the report
+compares the model's bytes per step (weights once, KV cache once) with GPUs x the HBM read
+bandwidth measured at start-up, and also shows the bytes the layout reads. Each run writes
+<output>/<timestamp>/ (summary.json, config.yaml, rank<r>.log); the console shows rank 0.
 """
 
 from __future__ import annotations
@@ -31,13 +35,14 @@ import torch.distributed as dist  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from longctx.config import ModelArgs, check_decode_config, resolve_dtype  # noqa: E402
-from longctx.generate import Generation, generate  # noqa: E402
+from longctx.generate import Generation, generate, generate_synthetic  # noqa: E402
 from longctx.hardware import available_memory, code_commit, read_bandwidth  # noqa: E402
-from longctx.parallel.memory import GiB, check_memory  # noqa: E402
+from longctx.parallel.memory import GiB, check_memory, estimate_memory, largest_context  # noqa: E402
 from longctx.model import Transformer  # noqa: E402
 from longctx.parallel.build import build_model  # noqa: E402
 from longctx.parallel.mesh import ParallelDims  # noqa: E402
 from longctx.parallel.process_group import init_from_env, rank_and_world  # noqa: E402
+from longctx.parallel.sequence_parallel import check_sp_chunk  # noqa: E402
 from longctx.weights import HFCheckpoint, RandomWeights  # noqa: E402
 
 log = logging.getLogger("longctx")
@@ -82,41 +87,55 @@ def device_name(device: torch.device) -> str:
     return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
 
 
-def bytes_per_step(model: Transformer, dims: ParallelDims, batch: int, prompt_len: int,
-                   gen_len: int) -> dict[str, float]:
-    """Bytes one decode step reads from memory, summed over all GPUs: every rank's weights (the
-    embedding table only for the looked-up rows; tensor-parallel shards once, sp replicas each
-    time) and the KV cache at the mean length of the decode steps (positions P+1 ... P+gen_len-1;
-    KV heads replicated under tp count once per replica)."""
+def layout_bytes_per_step(model: Transformer, dims: ParallelDims, batch: int,
+                          mean_len: float) -> dict[str, float]:
+    """Bytes one decode step of this layout reads from memory, summed over all GPUs: every rank's
+    weights (the embedding table only for the looked-up rows; tensor-parallel shards once, sp
+    replicas each time) and the KV cache at mean_len positions (KV heads replicated under tp
+    count once per replica). The model's own bytes are ModelArgs.decode_bytes."""
     args, e = model.args, model.lm_head.weight.element_size()
     weights = sum(p.nbytes for n, p in model.named_parameters() if not n.startswith("embed_tokens"))
     weights = (weights + batch * args.dim * e) * dims.world_size
-    mean_len = prompt_len + gen_len / 2
     kv_heads = dims.local_kv_heads(args) * dims.tp
     kv = 2 * args.n_layers * batch * mean_len * kv_heads * args.head_dim * e
-    return {"weights": weights, "kv_cache": kv, "total": weights + kv}
+    return {"weights": float(weights), "kv_cache": float(kv), "total": float(weights + kv)}
 
 
-def summarize(gen: Generation, info: dict, moved: dict, bw_per_device: float, bw_what: str,
-              world: int) -> dict:
+def summarize(gen: Generation, info: dict, model_bytes: dict, layout_bytes: dict,
+              bw_per_device: float, bw_what: str, world: int, prefill_flops: float) -> dict:
+    """The run's numbers. The headline share of the limit counts the model's own bytes per step
+    (weights once, KV cache once) against GPUs x read bandwidth, the same yardstick for every
+    layout; the bytes the layout moves (sp re-reads the weights on each rank, tp beyond the KV
+    heads re-reads them) are the second figure."""
     B, P, n = info["batch"], info["prompt_len"], len(gen.step_s)
     steps = torch.tensor(gen.step_s, dtype=torch.float64)
     mean_s = float(steps.mean())
-    achieved = moved["total"] / mean_s
+    limit = world * bw_per_device
+    real = gen.prefill_s is not None
     return {
         **info,
-        "prefill_s": gen.prefill_s,
-        "prefill_tokens_per_s": B * P / gen.prefill_s,
+        "prefill": "real" if real else "synthetic (random KV cache)",
+        "prefill_warmup_s": gen.warmup_s,  # first call: compiling the kernels + warm-up prefill
+        "prefill_warmup_len": gen.warmup_len,
+        "prefill_s": gen.prefill_s,  # warm
+        "prefill_tokens_per_s": B * P / gen.prefill_s if real else None,
+        "prefill_flops": prefill_flops if real else None,
+        "prefill_tflops_per_gpu": prefill_flops / gen.prefill_s / world / 1e12 if real else None,
+        "synthetic_fill_s": gen.fill_s,
         "decode_steps": n,
         "decode_tokens_per_s": B * n / float(steps.sum()),
         "ms_per_token_p50": 1e3 * float(steps.quantile(0.5)),
         "ms_per_token_p90": 1e3 * float(steps.quantile(0.9)),
-        "bytes_per_step": moved,
-        "achieved_bandwidth_Bps": achieved,
         "read_bandwidth_Bps_per_device": bw_per_device,
         "read_bandwidth_measured_as": bw_what,
-        # The floor: bytes per step / (devices x read bandwidth), against the mean step time.
-        "pct_of_bandwidth_limit": 100 * achieved / (world * bw_per_device),
+        # Headline: the model's bytes per step / (mean step time x devices x read bandwidth).
+        "model_bytes_per_step": model_bytes,
+        "achieved_bandwidth_Bps": model_bytes["total"] / mean_s,
+        "pct_of_bandwidth_limit": 100 * model_bytes["total"] / mean_s / limit,
+        # What this layout reads per step over all devices, and that rate's share of the same.
+        "layout_bytes_per_step": layout_bytes,
+        "layout_bandwidth_Bps": layout_bytes["total"] / mean_s,
+        "layout_pct_of_bandwidth_limit": 100 * layout_bytes["total"] / mean_s / limit,
     }
 
 
@@ -129,20 +148,36 @@ def _si(x: float, unit: str) -> str:
 
 
 def report(s: dict) -> None:
-    moved = s["bytes_per_step"]
+    mb, lb = s["model_bytes_per_step"], s["layout_bytes_per_step"]
+    if s["prefill_s"] is not None:
+        chunk, P = s["prefill_chunk"], s["prompt_len"]
+        calls = -(-P // chunk) if chunk else 1
+        prefill = (f"real, {f'{calls} chunks of {chunk}' if calls > 1 else '1 call'}: "
+                   f"{s['prefill_s']:.3f} s warm, {s['prefill_tokens_per_s']:,.0f} tokens/s, "
+                   f"{s['prefill_tflops_per_gpu']:.3g} TFLOPS per GPU")
+        if s["prefill_warmup_s"] is not None:
+            prefill += (f"\n            first call {s['prefill_warmup_s']:.3f} s (compile + "
+                        f"warm-up prefill of {s['prefill_warmup_len']} positions)")
+    else:
+        prefill = (f"synthetic (random KV cache): no prefill, {s['prompt_len']} positions filled "
+                   f"in {s['synthetic_fill_s']:.3f} s")
+    peak = s.get("peak_memory_bytes")
     log.info(
         f"\n{s['model']} {s['dtype']} | {s['world_size']} x {s['device']} (tp={s['tp']}, "
-        f"sp={s['sp']}) | batch {s['batch']}, prompt {s['prompt_len']}, "
+        f"sp={s['sp']}) | batch {s['batch']}, context {s['prompt_len']}, "
         f"{s['decode_steps']} decode steps, CUDA graphs {'on' if s['cuda_graphs'] else 'off'}\n"
-        f"prefill     {s['prefill_s']:.3f} s, {s['prefill_tokens_per_s']:,.0f} tokens/s"
-        f"{'' if s['device'].startswith('CPU') else ' (first call: includes compiling the Triton kernels)'}\n"
+        f"prefill     {prefill}\n"
         f"decode      {s['decode_tokens_per_s']:,.1f} tokens/s, ms/token p50 "
         f"{s['ms_per_token_p50']:.3f}, p90 {s['ms_per_token_p90']:.3f}\n"
-        f"bytes/step  {_si(moved['total'], 'B')} over all devices (weights "
-        f"{_si(moved['weights'], 'B')} + KV cache {_si(moved['kv_cache'], 'B')})\n"
-        f"bandwidth   {_si(s['achieved_bandwidth_Bps'], 'B/s')} achieved = "
-        f"{s['pct_of_bandwidth_limit']:.1f}% of {s['world_size']} x "
-        f"{_si(s['read_bandwidth_Bps_per_device'], 'B/s')} ({s['read_bandwidth_measured_as']})")
+        f"limit       {s['pct_of_bandwidth_limit']:.1f}% of {s['world_size']} x "
+        f"{_si(s['read_bandwidth_Bps_per_device'], 'B/s')}: the model's "
+        f"{_si(mb['total'], 'B')}/step (weights {_si(mb['weights'], 'B')} + KV cache "
+        f"{_si(mb['kv_cache'], 'B')}) at {_si(s['achieved_bandwidth_Bps'], 'B/s')}\n"
+        f"layout      {s['layout_pct_of_bandwidth_limit']:.1f}%: reads "
+        f"{_si(lb['total'], 'B')}/step over all devices (weights {_si(lb['weights'], 'B')} + "
+        f"KV cache {_si(lb['kv_cache'], 'B')}) at {_si(s['layout_bandwidth_Bps'], 'B/s')}"
+        + (f"\nmemory      peak {peak / GiB:.2f} GiB allocated on the fullest device (estimate "
+           f"{s['memory_estimate_bytes']['total'] / GiB:.2f} GiB)" if peak is not None else ""))
 
 
 def run(cfg: DictConfig, device: torch.device, rank: int, world: int, run_dir: Path,
@@ -152,26 +187,30 @@ def run(cfg: DictConfig, device: torch.device, rank: int, world: int, run_dir: P
     if rank == 0:
         OmegaConf.save(cfg, run_dir / "config.yaml")
     B = cfg.batch
+    synthetic = cfg.prefill == "synthetic"
+    chunk = check_sp_chunk(cfg.prefill_chunk, dims.sp)
     tokenizer = ckpt.tokenizer() if cfg.prompt else None
+    prompt = None
     if tokenizer is not None:
         prompt = torch.tensor(tokenizer.encode(cfg.prompt).ids, dtype=torch.int64).repeat(B, 1)
         if prompt.shape[1] == 0:
             raise ValueError(f"prompt {cfg.prompt!r} gives no tokens with {ckpt.path}/tokenizer.json")
-    else:
+    elif not synthetic:
         gen_cpu = torch.Generator().manual_seed(cfg.seed)
         prompt = torch.randint(0, args.vocab_size, (B, cfg.context_len), generator=gen_cpu)
-    P = prompt.shape[1]
+    P = cfg.context_len if synthetic else prompt.shape[1]
     max_seq_len = P + cfg.gen_len
     cuda_graphs = bool(cfg.cuda_graphs) and device.type == "cuda"
     info = {"model": args.name, "params": args.num_params(), "dtype": str(dtype).removeprefix("torch."),
             "device": device_name(device), "world_size": world, "tp": dims.tp, "sp": dims.sp,
-            "batch": B, "prompt_len": P, "gen_len": cfg.gen_len, "cuda_graphs": cuda_graphs,
-            "commit": code_commit(), "torch": torch.__version__}
+            "batch": B, "prompt_len": P, "gen_len": cfg.gen_len, "prefill_chunk": chunk,
+            "cuda_graphs": cuda_graphs, "commit": code_commit(), "torch": torch.__version__}
     log.info(f"run directory {run_dir}")
     n = info["params"]
     size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
     log.info(f"{args.name}: {size} parameters, {info['dtype']}, {world} x "
-             f"{info['device']}, tp={dims.tp} sp={dims.sp}, batch {B}, prompt {P} tokens, "
+             f"{info['device']}, tp={dims.tp} sp={dims.sp}, batch {B}, "
+             f"{'synthetic KV cache of' if synthetic else 'prompt'} {P} tokens, "
              f"{cfg.gen_len} generated")
 
     bw, bw_what = read_bandwidth(device)
@@ -183,8 +222,13 @@ def run(cfg: DictConfig, device: torch.device, rank: int, world: int, run_dir: P
 
     available = int(cfg.memory_gb * GiB) if cfg.memory_gb is not None else available_memory(device)
     where = f"{device} (memory_gb={cfg.memory_gb})" if cfg.memory_gb is not None else str(device)
-    est = check_memory(args, tp=dims.tp, sp=dims.sp, available=available, where=where, batch=B,
-                       prompt_len=P, max_seq_len=max_seq_len, dtype=dtype, device_type=device.type)
+    plan = dict(batch=B, dtype=dtype, device_type=device.type, prefill_chunk=chunk)
+    largest = largest_context(args, tp=dims.tp, sp=dims.sp, available=available,
+                              gen_len=cfg.gen_len, synthetic=synthetic, **plan)
+    info["largest_context_len"] = largest
+    log.info(largest_context_line(args, dims, largest, available, cfg.gen_len, synthetic, plan))
+    est = check_memory(args, tp=dims.tp, sp=dims.sp, available=available, where=where,
+                       prompt_len=0 if synthetic else P, max_seq_len=max_seq_len, **plan)
     log.info(f"memory per device: about {est.total / GiB:.2f} GiB ({est.breakdown()}) of "
              f"{available / GiB:.2f} GiB available")
 
@@ -193,15 +237,28 @@ def run(cfg: DictConfig, device: torch.device, rank: int, world: int, run_dir: P
                         batch=B, max_seq_len=max_seq_len, mesh=dims.build_mesh(device.type))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
     log.info(f"model built in {time.perf_counter() - t0:.2f} s "
              f"({'checkpoint ' + str(ckpt.path) if ckpt else f'random weights, seed {cfg.seed}'})")
 
-    gen = generate(model, prompt.to(device), cfg.gen_len, temperature=cfg.sampling.temperature,
-                   top_p=cfg.sampling.top_p, cuda_graph=cuda_graphs, progress=rank == 0)
-    moved = bytes_per_step(model, dims, B, P, cfg.gen_len)
-    summary = summarize(gen, info, moved, bw, bw_what, world)
+    sampling = dict(temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
+                    cuda_graph=cuda_graphs, progress=rank == 0)
+    if synthetic:
+        # Each rank its own cache values; the first token the same on every rank.
+        gen = generate_synthetic(model, P, cfg.gen_len, batch=B, seed=cfg.seed,
+                                 cache_seed=cfg.seed * 1_000_003 + rank, **sampling)
+    else:
+        gen = generate(model, prompt.to(device), cfg.gen_len, prefill_chunk=chunk, warm_up=True,
+                       **sampling)
+    mean_len = P + cfg.gen_len / 2  # decode steps attend to P+1 ... P+gen_len-1 positions
+    e = model.lm_head.weight.element_size()
+    summary = summarize(gen, info, args.decode_bytes(B, mean_len, e),
+                        layout_bytes_per_step(model, dims, B, mean_len), bw, bw_what, world,
+                        args.prefill_flops(B, P))
     summary["memory_estimate_bytes"] = {"weights": est.weights, "kv_cache": est.kv_cache,
-                                        "activations": est.activations}
+                                        "rope": est.rope, "activations": est.activations,
+                                        "reserve": est.reserve, "total": est.total}
+    summary.update(peak_memory(device, world))
     summary["tokens"] = gen.tokens[0].tolist()
     if tokenizer is not None:
         summary["text"] = tokenizer.decode(summary["tokens"])
@@ -212,6 +269,31 @@ def run(cfg: DictConfig, device: torch.device, rank: int, world: int, run_dir: P
         log.info(f"wrote {run_dir / 'summary.json'}")
     if cfg.profile:
         profile_decode(model, gen.tokens[:, -1].to(device), max_seq_len - 1, device, run_dir, rank)
+
+
+def largest_context_line(args: ModelArgs, dims: ParallelDims, largest: int, available: int,
+                         gen_len: int, synthetic: bool, plan: dict) -> str:
+    """One line: the largest context_len that fits this layout here, and what sets it."""
+    est = estimate_memory(args, tp=dims.tp, sp=dims.sp, prompt_len=0 if synthetic else largest,
+                          max_seq_len=largest + gen_len, **plan)
+    per_position = (est.kv_cache + est.rope) / max(largest + gen_len, 1)
+    return (f"largest context that fits tp={dims.tp} sp={dims.sp} on this device: {largest:,} "
+            f"tokens ({available / GiB:.2f} GiB = weights {est.weights / GiB:.2f} + reserve "
+            f"{est.reserve / GiB:.2f} + {'decode' if synthetic else 'prefill'} activations "
+            f"{est.activations / GiB:.2f} GiB + {per_position / 1024:.1f} KiB per position: KV "
+            f"cache x batch {plan['batch']}, RoPE)")
+
+
+def peak_memory(device: torch.device, world: int) -> dict:
+    """Peak bytes allocated and reserved by torch on the fullest device since the model was
+    built (CUDA; None elsewhere)."""
+    if device.type != "cuda":
+        return {"peak_memory_bytes": None, "peak_memory_reserved_bytes": None}
+    t = torch.tensor([torch.cuda.max_memory_allocated(device),
+                      torch.cuda.max_memory_reserved(device)], dtype=torch.float64, device=device)
+    if world > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return {"peak_memory_bytes": int(t[0]), "peak_memory_reserved_bytes": int(t[1])}
 
 
 def profile_decode(model, tokens: torch.Tensor, pos: int, device: torch.device, run_dir: Path,
@@ -252,6 +334,7 @@ def main(cfg: DictConfig) -> None:
     ckpt = HFCheckpoint(cfg.model.checkpoint) if cfg.model.checkpoint else None
     args = ckpt.args() if ckpt else ModelArgs.from_config(cfg.model)
     dims.check_model(args)
+    check_sp_chunk(cfg.prefill_chunk, dims.sp)
 
     device = init_from_env()  # nccl on cuda:LOCAL_RANK, or gloo on the CPU
     rank, world = rank_and_world()

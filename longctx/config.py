@@ -13,6 +13,8 @@ from typing import Any
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# real: the prompt runs through the model; synthetic: seeded random KV cache, no prefill.
+PREFILL_MODES = ("real", "synthetic")
 
 
 @dataclass(frozen=True)
@@ -89,9 +91,37 @@ class ModelArgs:
 
     def num_params(self) -> int:
         """Parameter count (embedding and LM head included)."""
+        return self.n_layers * (self._layer_matmul_params() + 2 * self.dim) \
+            + 2 * self.vocab_size * self.dim + self.dim
+
+    def _layer_matmul_params(self) -> int:
+        """Weights of one block's matrix products (q, k, v, o, gate, up, down)."""
         attn = self.dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
-        layer = attn + 3 * self.dim * self.intermediate_size + 2 * self.dim
-        return self.n_layers * layer + 2 * self.vocab_size * self.dim + self.dim
+        return attn + 3 * self.dim * self.intermediate_size
+
+    def kv_bytes_per_token(self, element_size: int) -> int:
+        """Bytes of one position's K and V over all layers and KV heads."""
+        return 2 * self.n_layers * self.n_kv_heads * self.head_dim * element_size
+
+    def prefill_flops(self, batch: int, prompt_len: int) -> float:
+        """FLOPs of a causal prefill of `batch` prompts of `prompt_len` positions from position 0
+        (the model's own, whatever the layout): 2 x the blocks' matrix weights x tokens, plus the
+        LM head on each sequence's last row, plus attention's 4 x layers x Hq x head_dim x the
+        visible (query, key) pairs, P (P + 1) / 2 per sequence (QK^T and PV, 2 FLOPs a
+        multiply-add each). Norms, RoPE and softmax are left out."""
+        tokens = batch * prompt_len
+        linear = 2 * tokens * self.n_layers * self._layer_matmul_params() \
+            + 2 * batch * self.dim * self.vocab_size
+        pairs = batch * prompt_len * (prompt_len + 1) / 2
+        return float(linear + 4 * self.n_layers * self.n_heads * self.head_dim * pairs)
+
+    def decode_bytes(self, batch: int, mean_len: float, element_size: int) -> dict[str, float]:
+        """The model's own bytes per decode step, whatever the layout: every weight once (of the
+        embedding table only the `batch` looked-up rows) and the KV cache of all KV heads once
+        at `mean_len` positions. {"weights", "kv_cache", "total"}."""
+        weights = (self.num_params() - self.vocab_size * self.dim + batch * self.dim) * element_size
+        kv = batch * mean_len * self.kv_bytes_per_token(element_size)
+        return {"weights": float(weights), "kv_cache": float(kv), "total": float(weights + kv)}
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -103,6 +133,15 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
+def check_chunk(chunk: int | None, name: str = "prefill_chunk") -> int | None:
+    """A prefill chunk size: a positive int, or None / 0 for the whole prompt (returned as None).
+    ValueError naming `name` otherwise."""
+    if chunk is None or (isinstance(chunk, int) and not isinstance(chunk, bool) and chunk >= 0):
+        return chunk or None
+    raise ValueError(f"{name} must be a positive integer (positions per prefill call) or "
+                     f"null / 0 for the whole prompt, got {chunk!r}")
+
+
 def check_decode_config(cfg: Mapping[str, Any]) -> None:
     """Validate the run fields of configs/decode.yaml (the model node is checked by ModelArgs,
     the parallel degrees by longctx.parallel.ParallelDims). ValueError states the numbers."""
@@ -110,6 +149,12 @@ def check_decode_config(cfg: Mapping[str, Any]) -> None:
         if not isinstance(v, int) or isinstance(v, bool) or v < least:
             raise ValueError(f"{key} must be an integer >= {least}, got {v!r}")
 
+    if cfg["prefill"] not in PREFILL_MODES:
+        raise ValueError(f"prefill must be one of {', '.join(PREFILL_MODES)}, got {cfg['prefill']!r}")
+    check_chunk(cfg["prefill_chunk"], "prefill_chunk")
+    if cfg["prefill"] == "synthetic" and cfg.get("prompt") is not None:
+        raise ValueError("prefill=synthetic fills the KV cache with random values for context_len "
+                         "positions; it takes no prompt (set prompt=null)")
     if cfg.get("prompt") is None:
         positive_int("context_len", cfg["context_len"])
     elif not isinstance(cfg["prompt"], str) or not cfg["prompt"]:

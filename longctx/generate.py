@@ -88,49 +88,113 @@ class DecodeStep:
 @dataclass
 class Generation:
     tokens: torch.Tensor  # [B, gen_len] int64 on the CPU; column 0 comes from the prefill
-    prefill_s: float  # wall time of the prefill (first token included)
     step_s: list[float]  # time of each of the gen_len - 1 decode steps
+    prefill_s: float | None = None  # wall time of the prefill (first token included), warm;
+    # None without a prefill (synthetic cache)
+    warmup_s: float | None = None  # the first prefill call before it: compiling the kernels
+    warmup_len: int = 0  # prompt positions that the warm-up ran (`warmup_spans`)
+    fill_s: float | None = None  # synthetic cache: time to fill it (no prefill)
 
 
-def generate(model: Transformer, prompt: torch.Tensor, gen_len: int, *, temperature: float = 0.0,
+def warmup_spans(prompt_len: int, chunk: int | None) -> list[tuple[int, int]]:
+    """[start, end) of the warm-up prefill calls, which launch the kernels the real prefill does:
+    the whole prompt if it is one chunk, else its first chunk and its last chunk at their own
+    positions (the last attends over the whole cache, so the kernel variants chosen by the key
+    length compile too; the positions it skips hold whatever the cache held, and the real
+    prefill overwrites everything the warm-up wrote). With chunk a multiple of 2 sp both calls
+    are valid sequence-parallel prefills, the tail of decode steps included."""
+    if not chunk or prompt_len <= chunk:
+        return [(0, prompt_len)]
+    return [(0, chunk), (chunk * ((prompt_len - 1) // chunk), prompt_len)]
+
+
+def generate(model: Transformer, prompt: torch.Tensor, gen_len: int, *,
+             prefill_chunk: int | None = None, warm_up: bool = False, temperature: float = 0.0,
              top_p: float = 1.0, cuda_graph: bool = True, progress: bool = False) -> Generation:
-    """Prefill `prompt` [B, P] int64 (on the model's device), then decode gen_len - 1 steps.
+    """Prefill `prompt` [B, P] int64 (on the model's device) in chunks of `prefill_chunk`
+    positions (None: all at once), then decode gen_len - 1 steps.
 
-    The model's caches must hold P + gen_len - 1 positions. `progress` shows a tqdm bar on stderr
-    when it is a terminal.
+    The model's caches must hold P + gen_len - 1 positions. `warm_up` first runs the prefill
+    calls of `warmup_spans` (timed apart: on a GPU they compile the kernels), whose cache writes
+    the real prefill overwrites, so that `prefill_s` is the warm time. `progress`
+    shows a tqdm bar on stderr when it is a terminal.
     """
     B, P = prompt.shape
-    cuda = prompt.device.type == "cuda"
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync = _synchronizer(prompt.device)
+    positions = torch.arange(P, device=prompt.device)
+    warmup_s, w = None, 0
     with torch.no_grad():
+        if warm_up:
+            sync()
+            t0 = time.perf_counter()
+            for start, end in warmup_spans(P, prefill_chunk):
+                model.prefill(prompt[:, start:end], positions[start:end], chunk=prefill_chunk)
+                w += end - start
+            sync()
+            warmup_s = time.perf_counter() - t0
         sync()
         t0 = time.perf_counter()
-        logits = model.prefill(prompt, torch.arange(P, device=prompt.device))
+        logits = model.prefill(prompt, positions, chunk=prefill_chunk)
         first = sample(logits, temperature, top_p)
         sync()
         prefill_s = time.perf_counter() - t0
+        gen = _decode(model, first, P, gen_len, temperature, top_p, cuda_graph, progress)
+    gen.prefill_s, gen.warmup_s, gen.warmup_len = prefill_s, warmup_s, w
+    return gen
 
-        step = DecodeStep(model, first, P, gen_len, temperature, top_p, cuda_graph)
-        n = gen_len - 1
-        bar = tqdm(total=n, desc="decode", unit="tok", disable=None if progress else True)
-        if cuda:
-            # Queue every step with an event between steps, then follow the events: the GPU
-            # never waits for the host, and the bar still moves with the GPU.
-            events = [torch.cuda.Event(enable_timing=True) for _ in range(n + 1)]
-            for i in range(n):
-                events[i].record()
-                step()
-            events[n].record()
-            for ev in events[1:]:
-                ev.synchronize()
-                bar.update(1)
-            step_s = [a.elapsed_time(b) / 1e3 for a, b in zip(events[:-1], events[1:])]
-        else:
-            marks = [time.perf_counter()]
-            for _ in range(n):
-                step()
-                marks.append(time.perf_counter())
-                bar.update(1)
-            step_s = [b - a for a, b in zip(marks[:-1], marks[1:])]
-        bar.close()
-        return Generation(step.out.cpu(), prefill_s, step_s)
+
+def generate_synthetic(model: Transformer, context_len: int, gen_len: int, *, batch: int,
+                       seed: int, cache_seed: int | None = None, temperature: float = 0.0,
+                       top_p: float = 1.0, cuda_graph: bool = True,
+                       progress: bool = False) -> Generation:
+    """Decode without a prefill: the KV caches hold seeded random values of the model's K/V scale
+    at positions [0, context_len) (`Transformer.fill_random_cache`, seeded by `cache_seed`,
+    default `seed`: give each rank its own), then gen_len - 1 steps decode from a random first
+    token (drawn with `seed`, the same on every rank) at position context_len. For measuring
+    decode at contexts whose real prefill would take long; the tokens mean nothing."""
+    device = model.lm_head.weight.device
+    sync = _synchronizer(device)
+    with torch.no_grad():
+        sync()
+        t0 = time.perf_counter()
+        model.fill_random_cache(context_len, seed if cache_seed is None else cache_seed)
+        first = torch.randint(0, model.args.vocab_size, (batch,),
+                              generator=torch.Generator().manual_seed(seed)).to(device)
+        sync()
+        fill_s = time.perf_counter() - t0
+        gen = _decode(model, first, context_len, gen_len, temperature, top_p, cuda_graph, progress)
+    gen.fill_s = fill_s
+    return gen
+
+
+def _synchronizer(device: torch.device):
+    return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+
+def _decode(model: Transformer, first: torch.Tensor, prompt_len: int, gen_len: int,
+            temperature: float, top_p: float, cuda_graph: bool, progress: bool) -> Generation:
+    """gen_len - 1 decode steps from token `first` [B] at position prompt_len, each timed."""
+    step = DecodeStep(model, first, prompt_len, gen_len, temperature, top_p, cuda_graph)
+    n = gen_len - 1
+    bar = tqdm(total=n, desc="decode", unit="tok", disable=None if progress else True)
+    if first.device.type == "cuda":
+        # Queue every step with an event between steps, then follow the events: the GPU
+        # never waits for the host, and the bar still moves with the GPU.
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(n + 1)]
+        for i in range(n):
+            events[i].record()
+            step()
+        events[n].record()
+        for ev in events[1:]:
+            ev.synchronize()
+            bar.update(1)
+        step_s = [a.elapsed_time(b) / 1e3 for a, b in zip(events[:-1], events[1:])]
+    else:
+        marks = [time.perf_counter()]
+        for _ in range(n):
+            step()
+            marks.append(time.perf_counter())
+            bar.update(1)
+        step_s = [b - a for a, b in zip(marks[:-1], marks[1:])]
+    bar.close()
+    return Generation(step.out.cpu(), step_s)

@@ -7,8 +7,13 @@ mirror Hugging Face's LlamaForCausalLM without the `model.` prefix, so checkpoin
 
     model = Transformer(args)                    # or on the meta device, then load weights
     model.setup_caches(batch=2, max_seq_len=4096)
-    logits = model.prefill(tokens, torch.arange(S))             # [B, V] float32, last position
+    logits = model.prefill(tokens, torch.arange(S), chunk=1024)  # [B, V] float32, last position
     logits = model.decode_step(next_tokens, torch.full((B,), S))  # [B, V] float32
+
+Chunked prefill: the prompt goes through the model `chunk` positions at a time; each chunk's
+queries attend, causally by absolute position, to the keys that the chunks before it left in the
+KV cache and to its own. The logits are those of the unchunked prefill (up to rounding) while the
+activations are bounded by batch x chunk positions instead of the whole prompt.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import torch
 from torch import nn
 
 from longctx.attention import attention
-from longctx.config import ModelArgs
+from longctx.config import ModelArgs, check_chunk
 from longctx.decode import decode
 from longctx.ops import linear, linear_silu_mul, rms_norm, rope_, rope_tables, store_kv
 
@@ -71,6 +76,25 @@ class KVCache(nn.Module):
         int64) and how many entries it then attends to (cache_seqlens [B] int32). The same for
         every layer, so the model computes it once per step."""
         return input_pos, (input_pos + 1).to(torch.int32)
+
+    def prefix_slots(self, context_len: int) -> int:
+        """How many slots, from slot 0, hold the positions [0, context_len): all of them here."""
+        return context_len
+
+    def fill_random_(self, context_len: int, k_std: torch.Tensor, v_std: torch.Tensor,
+                     generator: torch.Generator) -> None:
+        """Fill the slots of positions [0, context_len) (`prefix_slots`) with N(0, std^2) values,
+        std per KV head (k_std, v_std [Hkv] float32), drawn from `generator` on the cache's
+        device in its dtype: a KV cache as if a prompt of context_len positions had run."""
+        n = self.prefix_slots(context_len)
+        if n > self.k_cache.shape[1]:
+            raise ValueError(f"context_len {context_len} needs {n} cache slots, but the cache "
+                             f"holds {self.k_cache.shape[1]}")
+        for cache, std in ((self.k_cache, k_std), (self.v_cache, v_std)):
+            for b in range(cache.shape[0]):  # [n, Hkv, D]: contiguous, so one fast fill each
+                part = cache[b, :n]
+                part.normal_(generator=generator)
+                part.mul_(std.to(device=part.device, dtype=part.dtype)[:, None])
 
     def decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                step: tuple[torch.Tensor, torch.Tensor], return_lse: bool = False):
@@ -129,6 +153,20 @@ class Attention(nn.Module):
         self.o_proj = Linear(args.n_heads * D, args.dim)
         self.kv_cache: KVCache | None = None
 
+    def kv_std(self, norm_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The std per KV head [Hkv] float32 of the k and v this layer's projections produce.
+
+        The projection's input is input_layernorm's output g * n (norm_weight g [dim]), n of unit
+        mean square; for n with independent unit-variance entries, output row j of W has
+        variance sum_i (W[j, i] g[i])^2. A head's std is the root of the mean over its D rows;
+        RoPE rotates pairs of rows within a head, which keeps that mean. For RandomWeights
+        (entries N(0, std^2), norm weights 1) this is std * sqrt(dim): 0.02 * sqrt(8192) = 1.81
+        for CodeLlama-34B."""
+        D, hq, hkv = self.head_dim, self.n_heads, self.n_kv_heads
+        w = self.qkv_proj.weight[hq * D:].float() * norm_weight.float()  # k, v rows [2 hkv D, dim]
+        var = w.pow(2).sum(dim=1).view(2, hkv, D).mean(dim=-1)
+        return var[0].sqrt(), var[1].sqrt()
+
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                 input_pos: torch.Tensor, step: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         """x [B, S, dim]; rope = (cos, sin tables [max_seq_len, D], positions [B, S]); step: the
@@ -176,6 +214,13 @@ class Block(nn.Module):
 CacheFactory = Callable[[int, int, int, int, torch.dtype, torch.device], KVCache]
 
 
+def chunk_spans(length: int, chunk: int | None) -> list[tuple[int, int]]:
+    """[start, end) pieces of a `length`-position prompt, each `chunk` long but the last (which
+    may be shorter); chunk None / 0: one piece (none for length 0)."""
+    chunk = check_chunk(chunk) or max(length, 1)
+    return [(s, min(s + chunk, length)) for s in range(0, length, chunk)]
+
+
 class Transformer(nn.Module):
     """Llama decoder. Build, load weights, `setup_caches`, then `prefill` and `decode_step`."""
 
@@ -209,25 +254,60 @@ class Transformer(nn.Module):
     def _run(self, tokens: torch.Tensor, pos: torch.Tensor, input_pos: torch.Tensor,
              decoding: bool) -> torch.Tensor:
         """tokens [B, S] at absolute positions pos [B, S] (for RoPE) -> the final norm's output
-        [B, S, dim]."""
+        of the last row, [B, dim] (the only row the LM head reads)."""
         x = self.embed_tokens(tokens)
         rope = (self.rope_cos, self.rope_sin, pos)
         step = self.layers[0].self_attn.kv_cache.step_indices(input_pos) if decoding else None
         delta = None
         for layer in self.layers:
             x, delta = layer(x, delta, rope, input_pos, step)
-        return self.norm(x, delta)[1] if delta is not None else self.norm(x)
+        return self.norm(x[:, -1], delta[:, -1])[1]  # n_layers >= 1: delta is set
 
-    def prefill(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
-        """tokens [B, S] int64 at absolute positions input_pos [S] int64 -> logits [B, V]
-        float32 of the last row (the next-token distribution after the chunk)."""
+    def prefill_hidden(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+        """One prefill call: tokens [B, S] int64 at absolute positions input_pos [S] int64 (their
+        K/V enter the cache; the cache must hold every position before them) -> the final norm's
+        output [B, dim] of the last row. `prefill` without the LM head, for one chunk."""
         if self.max_seq_len == 0:
             raise RuntimeError("call setup_caches() before prefill()")
-        x = self._run(tokens, input_pos[None].expand(tokens.shape[0], -1), input_pos, decoding=False)
-        return self.lm_head(x[:, -1]).float()
+        return self._run(tokens, input_pos[None].expand(tokens.shape[0], -1), input_pos,
+                         decoding=False)
+
+    def prefill(self, tokens: torch.Tensor, input_pos: torch.Tensor,
+                chunk: int | None = None) -> torch.Tensor:
+        """tokens [B, S] int64 at absolute positions input_pos [S] int64 -> logits [B, V]
+        float32 of the last row (the next-token distribution after them).
+
+        chunk: positions per call (`chunk_spans`); None or 0: all S at once. Each chunk attends to
+        the cache that the earlier ones filled, so any chunk size gives the same logits (up to
+        rounding); only the last chunk's last row goes through the LM head.
+        """
+        if tokens.dim() != 2 or tokens.shape[1] == 0 or input_pos.shape != tokens.shape[1:]:
+            raise ValueError(f"tokens must be [B, S] with S >= 1 and input_pos [S], got "
+                             f"{tuple(tokens.shape)} and {tuple(input_pos.shape)}")
+        for start, end in chunk_spans(tokens.shape[1], chunk):
+            h = self.prefill_hidden(tokens[:, start:end], input_pos[start:end])
+        return self.lm_head(h).float()
+
+    @torch.no_grad()
+    def fill_random_cache(self, context_len: int, seed: int) -> None:
+        """Instead of a prefill (decode benchmarks at long contexts): every layer's KV cache holds
+        seeded random values at positions [0, context_len), drawn on the cache's device in its
+        dtype, N(0, std^2) with the std per KV head that the layer's own k/v projections give
+        (`Attention.kv_std`). Decoding continues at position context_len. Seeded by (seed,
+        layer): pass a seed per rank where the ranks' caches should differ."""
+        if self.max_seq_len == 0:
+            raise RuntimeError("call setup_caches() before fill_random_cache()")
+        if not isinstance(context_len, int) or context_len < 1 or context_len >= self.max_seq_len:
+            raise ValueError(f"context_len must be in [1, {self.max_seq_len}) (the cache holds "
+                             f"{self.max_seq_len} positions and decoding needs one), got {context_len!r}")
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            gen = torch.Generator(device=attn.kv_cache.k_cache.device)
+            gen.manual_seed((seed * 1_000_003 + i) % 2**63)
+            attn.kv_cache.fill_random_(context_len, *attn.kv_std(layer.input_layernorm.weight), gen)
 
     def decode_step(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
         """tokens [B] int64 at positions input_pos [B] int64 -> logits [B, V] float32.
         Reads and writes only fixed buffers: capturable in a CUDA graph."""
-        x = self._run(tokens[:, None], input_pos[:, None], input_pos, decoding=True)
-        return self.lm_head(x[:, 0]).float()
+        return self.lm_head(self._run(tokens[:, None], input_pos[:, None], input_pos,
+                                      decoding=True)).float()

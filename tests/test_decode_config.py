@@ -9,7 +9,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from longctx.config import ModelArgs, check_decode_config
-from longctx.parallel.memory import GiB, check_memory, estimate_memory
+from longctx.parallel.memory import (CUDA_RESERVE, GiB, check_memory, estimate_memory,
+                                     fitting_layouts, largest_context)
 from longctx.parallel.mesh import ParallelDims
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -58,10 +59,30 @@ def test_codellama34b_has_the_published_hyperparameters():
     ("sampling.temperature=-1", r"sampling.temperature must be >= 0"),
     ("memory_gb=-2", r"memory_gb must be a positive number"),
     ("prompt=hello", r"prompt needs model.checkpoint"),
+    ("prefill=fake", r"prefill must be one of real, synthetic, got 'fake'"),
+    ("prefill_chunk=-8", r"prefill_chunk must be a positive integer .*null / 0 .*got -8"),
+    ("prefill_chunk=1.5", r"prefill_chunk must be a positive integer .*got 1.5"),
+    ("prefill_chunk=true", r"prefill_chunk must be a positive integer .*got True"),
 ])
 def test_bad_run_config(override, match):
     with pytest.raises(ValueError, match=match):
         check_decode_config(_compose(override))
+
+
+def test_prefill_options():
+    cfg = _compose()
+    assert (cfg.prefill, cfg.prefill_chunk) == ("real", 8192)
+    for ok in ("prefill_chunk=null", "prefill_chunk=0", "prefill_chunk=1", "prefill=synthetic"):
+        check_decode_config(_compose(ok))
+
+
+def test_prefill_chunk_must_split_evenly_under_sp():
+    from longctx.parallel.sequence_parallel import check_sp_chunk
+
+    assert check_sp_chunk(8192, 4) == 8192 and check_sp_chunk(0, 4) is None
+    with pytest.raises(ValueError, match=r"prefill_chunk \(100\) must be a multiple of 2 x "
+                                         r"parallel.sp \(8\)"):
+        check_sp_chunk(100, 4)
 
 
 def test_bad_model_and_parallel_config():
@@ -108,3 +129,84 @@ def test_memory_check_states_needed_available_and_layouts_that_fit():
     assert check_memory(args, tp=4, sp=2, available=int(80 * GiB), where="cuda:0", **kw).total < 80 * GiB
     with pytest.raises(ValueError, match="No tp x sp layout up to 64 devices fits"):
         check_memory(args, tp=1, sp=1, available=GiB, where="cuda:0", **kw)
+
+
+H200 = int(139 * GiB)  # what one H200 has free for a run
+
+
+def _codellama():
+    return ModelArgs.from_config(_compose("+model=codellama34b").model)
+
+
+def test_chunked_prefill_bounds_the_activations():
+    """The issue's case: CodeLlama-34B at batch 8 x 32k on one H200 needs ~167 GiB unchunked,
+    mostly prefill activations; in chunks of 8192 it fits. Activations no longer grow with
+    the context (on CUDA), and without a prefill (synthetic cache) they are a decode step's."""
+    args = _codellama()
+    kw = dict(tp=1, sp=1, batch=8, prompt_len=32768, max_seq_len=32768 + 64,
+              dtype=torch.bfloat16, device_type="cuda")
+    whole, chunked = estimate_memory(**kw, args=args), estimate_memory(**kw, args=args,
+                                                                       prefill_chunk=8192)
+    assert 160 * GiB < whole.total < 170 * GiB
+    assert chunked.total < H200 and chunked.weights + chunked.kv_cache < 112 * GiB
+    assert chunked.activations < whole.activations / 3.9  # 8192 of 32768 positions per call
+    assert chunked.reserve == CUDA_RESERVE and chunked.kv_cache == whole.kv_cache
+    for c in (None, 0, 32768, 100000):  # a chunk of at least the prompt: one call
+        assert estimate_memory(**kw, args=args, prefill_chunk=c) == whole
+    # (chunks of 16384 would need ~140 GiB)
+    with pytest.raises(ValueError, match=r"needs about 167.*prefill_chunk=8192 would fit this "
+                                         r"layout \(about 126.\d\d GiB per device\)"):
+        check_memory(args, available=H200, where="cuda:0", **kw)
+    check_memory(args, available=H200, where="cuda:0", prefill_chunk=8192, **kw)
+    long = dict(kw, batch=1, prompt_len=1 << 20, max_seq_len=(1 << 20) + 64, prefill_chunk=8192)
+    short = dict(long, prompt_len=65536, max_seq_len=65536 + 64)
+    assert estimate_memory(args, **long).activations == estimate_memory(args, **short).activations
+    synthetic = estimate_memory(args, **dict(long, prompt_len=0))
+    assert synthetic.activations < 0.01 * GiB
+    # The RoPE tables: cos and sin, float32 [max_seq_len, head_dim].
+    assert synthetic.rope == 2 * ((1 << 20) + 64) * 128 * 4
+    # Under sp, a later chunk gathers its queries: more per rank than the first chunk alone.
+    sp_kw = dict(long, tp=1, sp=2)
+    one_chunk = estimate_memory(args, **dict(sp_kw, prompt_len=8192))
+    assert estimate_memory(args, **sp_kw).activations > one_chunk.activations
+
+
+def test_layout_suggestions_use_the_chunked_estimate():
+    """256k tokens of CodeLlama-34B on H200s: unchunked, one GPU is refused and layouts of
+    several are suggested; in chunks of 8192 one GPU fits."""
+    args = _codellama()
+    kw = dict(batch=1, prompt_len=262144, max_seq_len=262144 + 64, dtype=torch.bfloat16,
+              device_type="cuda")
+    assert fitting_layouts(args, H200, **kw)[0][:2] != (1, 1)
+    assert fitting_layouts(args, H200, prefill_chunk=8192, **kw)[0][:2] == (1, 1)
+    with pytest.raises(ValueError, match=r"Layouts that fit: parallel.tp=1 parallel.sp=2 .*"
+                                         r"prefill_chunk=16384 would fit this layout"):
+        check_memory(args, tp=1, sp=1, available=H200, where="cuda:0", **kw)
+
+
+@pytest.mark.parametrize("tp,sp,target", [(1, 1, 350_000), (2, 1, 1_048_576), (1, 2, 700_000)])
+@pytest.mark.parametrize("synthetic", [False, True])
+def test_largest_context(tp, sp, target, synthetic):
+    """The largest context that fits is the largest whose estimate fits (the next does not); on
+    H200s it meets the issue's targets, and is within 5% of (memory - weights - reserve) / KV
+    bytes per token: with chunks, weights and KV cache set it."""
+    args = _codellama()
+    kw = dict(tp=tp, sp=sp, batch=1, dtype=torch.bfloat16, device_type="cuda")
+    n = largest_context(args, available=H200, gen_len=64, prefill_chunk=8192, synthetic=synthetic,
+                        **kw)
+    assert n >= target
+
+    def total(ctx):
+        return estimate_memory(args, prompt_len=0 if synthetic else ctx, max_seq_len=ctx + 64,
+                               prefill_chunk=8192, **kw).total
+
+    assert total(n) <= H200 < total(n + 1)
+    est = estimate_memory(args, prompt_len=0, max_seq_len=0, **kw)
+    limit = (H200 - est.weights - est.reserve) / (args.kv_bytes_per_token(2) / (tp * sp))
+    assert 0.95 * limit <= n <= limit
+    # Nothing fits: 0. On a CPU the reference attention's scores limit the prefill.
+    assert largest_context(args, available=GiB, gen_len=64, **kw) == 0
+    tiny = ModelArgs.from_config(_compose().model)
+    cpu = dict(kw, dtype=torch.float32, device_type="cpu")
+    assert largest_context(tiny, available=GiB, gen_len=8, prefill_chunk=1024, **cpu) > \
+        largest_context(tiny, available=GiB, gen_len=8, **cpu)

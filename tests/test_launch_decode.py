@@ -41,10 +41,22 @@ def test_default_run_is_the_tiny_model(tmp_path):
         "tiny", "bfloat16" if cuda else "float32", 1024, 31, cuda)
     assert len(s["tokens"]) == 32 and s["decode_tokens_per_s"] > 0
     assert s["ms_per_token_p90"] >= s["ms_per_token_p50"] > 0
-    assert s["bytes_per_step"]["total"] > s["bytes_per_step"]["weights"] > 0
-    assert 0 < s["pct_of_bandwidth_limit"]
+    model, layout = s["model_bytes_per_step"], s["layout_bytes_per_step"]
+    assert model["total"] == model["weights"] + model["kv_cache"] and model["kv_cache"] > 0
+    assert layout == pytest.approx(model)  # one device: the layout reads the model's bytes
+    assert s["pct_of_bandwidth_limit"] > 0
+    assert s["pct_of_bandwidth_limit"] == pytest.approx(s["layout_pct_of_bandwidth_limit"])
     assert ("HBM" if cuda else "CPU memcpy") in s["read_bandwidth_measured_as"]
     assert "tokens/s" in r.stdout and "% of 1 x" in r.stdout
+    # The default chunk (8192) holds the 1024-token prompt: one call, timed warm after a warm-up
+    # of the same prompt; FLOPs per the formula in ModelArgs.prefill_flops.
+    assert s["prefill"] == "real" and s["prefill_chunk"] == 8192
+    assert s["prefill_warmup_len"] == 1024 and s["prefill_warmup_s"] > 0 and s["prefill_s"] > 0
+    assert s["prefill_tflops_per_gpu"] == pytest.approx(s["prefill_flops"] / s["prefill_s"] / 1e12)
+    assert "real, 1 call:" in r.stdout and "first call" in r.stdout
+    assert s["largest_context_len"] > 1024
+    assert f"largest context that fits tp=1 sp=1 on this device: {s['largest_context_len']:,} " \
+        "tokens" in r.stdout
 
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2,
@@ -82,3 +94,41 @@ def test_profile_writes_the_kernel_table(tmp_path):
     rows = [line for line in table.splitlines()[4:] if line.strip() and not line.startswith("-")]
     assert "Name" in table and len(rows) >= 5, table  # a real per-op table, not a stub
     assert "profile of 3 eager decode steps" in r.stdout
+
+
+def test_chunked_prefill_run(tmp_path):
+    """prefill_chunk splits the prompt (300 = 2 x 128 + 44); the warm-up prefill runs one full
+    chunk and one as long as the last (128 + 44 positions)."""
+    r = _run(tmp_path, "context_len=300", "prefill_chunk=128", "gen_len=4")
+    assert r.returncode == 0, r.stderr
+    _, s = _summary(tmp_path)
+    assert (s["prefill"], s["prefill_chunk"], s["prompt_len"]) == ("real", 128, 300)
+    assert s["prefill_warmup_len"] == 172 and s["prefill_s"] > 0
+    assert "real, 3 chunks of 128:" in r.stdout and "warm-up prefill of 172 positions" in r.stdout
+
+
+def test_bad_prefill_options_fail_before_running(tmp_path):
+    r = _run(tmp_path, "prefill_chunk=-5")
+    assert r.returncode != 0 and "prefill_chunk must be a positive integer" in r.stderr
+    r = _run(tmp_path, "prefill=fake")
+    assert r.returncode != 0 and "prefill must be one of real, synthetic, got 'fake'" in r.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2,
+                    reason="on a CUDA machine each of the 2 ranks needs its own GPU")
+def test_torchrun_synthetic_cache_with_sequence_parallel(tmp_path):
+    """prefill=synthetic: no prefill, the summary says so and times the fill instead; the model's
+    bytes per step (the headline) are below what sp=2 reads (the weights on both ranks)."""
+    r = _run(tmp_path, "prefill=synthetic", "context_len=5001", "gen_len=4", "parallel.sp=2",
+             nproc=2)
+    assert r.returncode == 0, r.stderr
+    _, s = _summary(tmp_path)
+    assert s["prefill"] == "synthetic (random KV cache)" and s["prompt_len"] == 5001
+    assert s["prefill_s"] is None and s["prefill_tokens_per_s"] is None
+    assert s["prefill_tflops_per_gpu"] is None and s["synthetic_fill_s"] > 0
+    assert "prefill     synthetic (random KV cache): no prefill, 5001 positions" in r.stdout
+    model, layout = s["model_bytes_per_step"], s["layout_bytes_per_step"]
+    assert layout["kv_cache"] == pytest.approx(model["kv_cache"])
+    assert layout["weights"] == pytest.approx(2 * model["weights"], rel=1e-3)
+    assert s["layout_pct_of_bandwidth_limit"] > s["pct_of_bandwidth_limit"] > 0
+    assert "largest context that fits tp=1 sp=2" in r.stdout
