@@ -196,13 +196,9 @@ def run_decode(shapes: list[tuple[int, int]], calls: int, cpm: float) -> list[di
         v = torch.randn_like(k)
         t = dict(q=q, k=k, v=v, lens=torch.full((B,), N, device="cuda", dtype=torch.int32),
                  q4=q[:, :, None], k_t=k.transpose(1, 2).contiguous(), v_t=v.transpose(1, 2).contiguous())
-        row = {"case": "decode", "shape": f"{B}x{N}", "batch": B, "kv_len": N}
-        for name, make in impls.items():
-            row[name] = _try(make, t, calls, cpm)
-        rows.append(row)
-        print(_fmt(row), flush=True)
+        rows.append(_measure_row({"case": "decode", "shape": f"{B}x{N}", "batch": B, "kv_len": N},
+                                 impls, t, calls, cpm))
         del q, k, v, t
-        torch.cuda.empty_cache()
     return rows
 
 
@@ -217,24 +213,25 @@ def run_prefill(lengths: list[int], calls: int, cpm: float) -> list[dict]:
         t = dict(q=q, k=k, v=v, q_t=q.transpose(1, 2).contiguous(), k_t=k.transpose(1, 2).contiguous(),
                  v_t=v.transpose(1, 2).contiguous())
         n = max(5, min(calls, int(calls * 2048 / S)))  # fewer calls for the longer ones
-        row = {"case": "prefill", "shape": f"1x{S}", "seq_len": S}
-        for name, make in impls.items():
-            row[name] = _try(make, t, n, cpm)
-        rows.append(row)
-        print(_fmt(row), flush=True)
+        rows.append(_measure_row({"case": "prefill", "shape": f"1x{S}", "seq_len": S}, impls, t, n,
+                                 cpm))
         del q, k, v, t
-        torch.cuda.empty_cache()
     return rows
 
 
-def _try(make, t, calls, cpm) -> dict:
-    try:
-        fn, context = make(t)
-        with context():
-            return measure(fn, calls, cpm)
-    except Exception as e:  # noqa: BLE001 - a peer that cannot run this shape is reported
-        torch.cuda.synchronize()
-        return {"note": f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"}
+def _measure_row(row: dict, impls: dict, t: dict, calls: int, cpm: float) -> dict:
+    """Every implementation on inputs t into row (a peer that cannot run is noted); prints it."""
+    for name, make in impls.items():
+        try:
+            fn, context = make(t)
+            with context():
+                row[name] = measure(fn, calls, cpm)
+        except Exception as e:  # noqa: BLE001 - reported, not fatal
+            torch.cuda.synchronize()
+            row[name] = {"note": f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"}
+    print(_fmt(row), flush=True)
+    torch.cuda.empty_cache()
+    return row
 
 
 # ------------------------------------------------------------------------------------ report
