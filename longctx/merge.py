@@ -120,8 +120,8 @@ def merge_states(
             then the math is float64).
         check: raise ValueError if lse holds +inf or NaN. None (default): for CPU tensors, where
             reading the values is free; not for CUDA tensors, where it costs a host sync per
-            call (a NaN or +inf LSE then gives NaN outputs). True: also on CUDA (skipped during
-            CUDA-graph capture). False: never.
+            call (unchecked, such an entry gives its row a NaN merged LSE). True: also on CUDA
+            (skipped during CUDA-graph capture). False: never.
 
     Returns:
         (o [..., H, D] in o's dtype, lse [..., H] float32; float64 if the inputs were).
