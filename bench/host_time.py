@@ -1,68 +1,406 @@
-"""Host (CPU) time of eager decode calls: what a caller without CUDA graphs pays per call before
-the GPU does any work. A development tool; BENCHMARKS.md quotes its numbers.
+"""Eager calls of the public API against SDPA: host time per call, eager wall time per call and the
+CUDA-graph replay time beside them. One command on a fresh GPU machine (no Hydra):
 
-    python bench/host_time.py [--shapes 256x256 32x2048 1x65536] [--calls 1000]
+    python bench/host_time.py                   # decode seed shapes + three prefill shapes
+    python bench/host_time.py --decode 1x65536 --prefill 2048 --calls 100
+    python bench/host_time.py --stub            # CPU only: the fast path's Python side, in parts
 
-Each shape: longctx.decode and SDPA (cuDNN and flash backends) over a [B, N, 2, 128] fp16 cache
-with 16 query heads, µs per call as the minimum over 5 repetitions of back-to-back calls. The
-calls queue faster than the GPU drains them only where GPU time exceeds host time; the table
-says which by printing the graph-replay GPU time beside it.
+Implementations, each on the same inputs: longctx with fast launches (the default), longctx
+with Triton's generic launch path (`fast_launch(False)`, the A/B baseline), SDPA with the flash
+and the cuDNN backends (on their preferred [B, H, S, D] layout). Decode: configs/bench.yaml's
+decode case (fp16, 16 query / 2 KV heads, D=128, all sequences full, `cache_seqlens` given).
+Prefill: bf16, batch 1, 16 query / 2 KV heads, D=128, causal, --prefill rows; longctx also with
+LONGCTX_PREFILL_KERNEL=triton (its default dispatch runs the Gluon kernel on sm_90 where that
+applies). Backend and launch-path switches are set once around a measurement, not per call.
+
+Per implementation and shape, µs per call:
+  host   the CPU time of one call while the GPU is held busy (a `torch.cuda._sleep` kernel queued
+         first, long enough for all --calls calls): what the call costs the caller's thread,
+         never waiting on the GPU. Minimum over 7 repetitions.
+  eager  --calls back-to-back calls and a synchronize, per call: what an eager loop runs at,
+         max(host, GPU) plus the gaps between. Median over 7 repetitions.
+  graph  the same calls captured in one CUDA graph, replayed, per call: the GPU time of a call
+         with the launch cost removed. Median over 7 repetitions.
+The targets of issue 20 are checked in the last columns: longctx decode host <= 20 µs, eager
+within 10% of graph where graph > host, longctx attention host <= SDPA cuDNN host.
+Writes host-time[-tag].json to $OUT if set, else bench/results/; prints the table last.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
+import os
+import statistics
 import sys
 import time
+import timeit
+from collections.abc import Callable
+from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch"))
-from bench import graph_ms  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a checkout without `pip install -e .`, too
 
-import longctx  # noqa: E402
+REPS = 7
 
 
-def host_us(fn, calls: int) -> float:
-    for _ in range(50):
-        fn()
+# ------------------------------------------------------------------------------------ measurement
+def _cycles_per_ms() -> float:
+    """Clock of `torch.cuda._sleep`'s spin loop, measured."""
+    torch.cuda._sleep(1_000_000)
     torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    torch.cuda._sleep(50_000_000)
+    e.record()
+    torch.cuda.synchronize()
+    return 50_000_000 / s.elapsed_time(e)
+
+
+def host_us(fn: Callable[[], object], calls: int, cycles_per_ms: float) -> float:
+    """CPU µs per call with the GPU held busy, so no call waits for the GPU (min over REPS)."""
     best = float("inf")
-    for _ in range(5):
+    for _ in range(REPS):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        one = time.perf_counter() - t  # an upper bound for one call's host time
+        torch.cuda._sleep(int(cycles_per_ms * max(20.0, 3e3 * one * calls)))
         t = time.perf_counter()
         for _ in range(calls):
             fn()
         best = min(best, (time.perf_counter() - t) / calls * 1e6)
-        torch.cuda.synchronize()
+    torch.cuda.synchronize()
     return best
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", nargs="+", default=["256x256", "32x2048", "1x65536"])
-    ap.add_argument("--calls", type=int, default=1000)
-    args = ap.parse_args()
-    print(f"{'B x N':>10} | {'longctx host':>12} | {'GPU (graph)':>11} | {'SDPA cuDNN host':>15} | "
-          f"{'SDPA flash host':>15}  (µs per call)")
-    for shape in args.shapes:
-        B, N = (int(x) for x in shape.split("x"))
-        q = torch.randn(B, 16, 128, device="cuda", dtype=torch.float16)
-        k = torch.randn(B, N, 2, 128, device="cuda", dtype=torch.float16)
+def eager_us(fn: Callable[[], object], calls: int) -> float:
+    """Wall µs per call of `calls` back-to-back calls and a synchronize (median over REPS)."""
+    times = []
+    for _ in range(REPS):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t) / calls * 1e6)
+    return statistics.median(times)
+
+
+def graph_us(fn: Callable[[], object], calls: int) -> float:
+    """µs per call of `calls` calls captured in one CUDA graph and replayed (median over REPS)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    g.replay()
+    times = []
+    for _ in range(REPS):
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / calls)
+    del g
+    return statistics.median(times)
+
+
+def measure(fn: Callable[[], object], calls: int, cycles_per_ms: float) -> dict:
+    fn()
+    torch.cuda.synchronize()
+    out = {"host_us": host_us(fn, calls, cycles_per_ms), "eager_us": eager_us(fn, calls)}
+    try:
+        out["graph_us"] = graph_us(fn, calls)
+    except Exception as e:  # noqa: BLE001 - reported, not fatal
+        torch.cuda.synchronize()
+        out["graph_us"], out["graph_note"] = None, f"{type(e).__name__}: {str(e)[:100]}"
+    return out
+
+
+# ------------------------------------------------------------------------------------ cases
+@contextlib.contextmanager
+def _prefill_kernel(value: str):
+    prev = os.environ.get("LONGCTX_PREFILL_KERNEL")
+    os.environ["LONGCTX_PREFILL_KERNEL"] = value
+    try:
+        yield
+    finally:
+        if prev is None:
+            del os.environ["LONGCTX_PREFILL_KERNEL"]
+        else:
+            os.environ["LONGCTX_PREFILL_KERNEL"] = prev
+
+
+def _implementations(kind: str) -> dict[str, Callable]:
+    """name -> (inputs) -> (call, context): the context (a backend or launch-path switch) is
+    entered once around a whole measurement, as a caller sets it once, not per call."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import longctx
+    from longctx.kernels.launch import fast_launch
+
+    none = contextlib.nullcontext
+    if kind == "decode":
+        def ours(t):
+            return lambda: longctx.decode(t["q"], t["k"], t["v"], cache_seqlens=t["lens"])
+
+        def sdpa(t):
+            return lambda: F.scaled_dot_product_attention(t["q4"], t["k_t"], t["v_t"], enable_gqa=True)
+    else:
+        def ours(t):
+            return lambda: longctx.attention(t["q"], t["k"], t["v"], causal=True)
+
+        def sdpa(t):
+            return lambda: F.scaled_dot_product_attention(t["q_t"], t["k_t"], t["v_t"],
+                                                          is_causal=True, enable_gqa=True)
+    impls = {
+        "longctx": lambda t: (ours(t), none),
+        "longctx_generic": lambda t: (ours(t), lambda: fast_launch(False)),
+        "sdpa_flash": lambda t: (sdpa(t), lambda: sdpa_kernel(SDPBackend.FLASH_ATTENTION)),
+        "sdpa_cudnn": lambda t: (sdpa(t), lambda: sdpa_kernel(SDPBackend.CUDNN_ATTENTION)),
+    }
+    if kind == "prefill":
+        impls["longctx_triton"] = lambda t: (ours(t), lambda: _prefill_kernel("triton"))
+    return impls
+
+
+def _decode_config() -> dict:
+    import yaml
+
+    cfg = yaml.safe_load((ROOT / "configs" / "bench.yaml").read_text())["decode"]
+    return cfg
+
+
+def run_decode(shapes: list[tuple[int, int]], calls: int, cpm: float) -> list[dict]:
+    cfg = _decode_config()
+    dtype = getattr(torch, cfg["dtype"])
+    Hq, Hkv, D = cfg["q_heads"], cfg["kv_heads"], cfg["head_dim"]
+    impls = _implementations("decode")
+    rows = []
+    for B, N in shapes:
+        q = torch.randn(B, Hq, D, device="cuda", dtype=dtype)
+        k = torch.randn(B, N, Hkv, D, device="cuda", dtype=dtype)
         v = torch.randn_like(k)
-        lens = torch.full((B,), N, device="cuda", dtype=torch.int32)
-        ours = lambda: longctx.decode(q, k, v, cache_seqlens=lens)  # noqa: E731
-        qs, ks, vs = q[:, None].transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        peers = []
-        for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION):
-            with sdpa_kernel(backend):
-                peers.append(host_us(
-                    lambda: F.scaled_dot_product_attention(qs, ks, vs, enable_gqa=True), args.calls))
-        gpu = graph_ms(ours, warmup_ms=5, rep_ms=20) * 1e3
-        print(f"{shape:>10} | {host_us(ours, args.calls):12.1f} | {gpu:11.1f} | {peers[0]:15.1f} | "
-              f"{peers[1]:15.1f}", flush=True)
+        t = dict(q=q, k=k, v=v, lens=torch.full((B,), N, device="cuda", dtype=torch.int32),
+                 q4=q[:, :, None], k_t=k.transpose(1, 2).contiguous(), v_t=v.transpose(1, 2).contiguous())
+        rows.append(_measure_row({"case": "decode", "shape": f"{B}x{N}", "batch": B, "kv_len": N},
+                                 impls, t, calls, cpm))
+        del q, k, v, t
+    return rows
+
+
+def run_prefill(lengths: list[int], calls: int, cpm: float) -> list[dict]:
+    Hq, Hkv, D, dtype = 16, 2, 128, torch.bfloat16
+    impls = _implementations("prefill")
+    rows = []
+    for S in lengths:
+        q = torch.randn(1, S, Hq, D, device="cuda", dtype=dtype)
+        k = torch.randn(1, S, Hkv, D, device="cuda", dtype=dtype)
+        v = torch.randn_like(k)
+        t = dict(q=q, k=k, v=v, q_t=q.transpose(1, 2).contiguous(), k_t=k.transpose(1, 2).contiguous(),
+                 v_t=v.transpose(1, 2).contiguous())
+        n = max(5, min(calls, int(calls * 2048 / S)))  # fewer calls for the longer ones
+        rows.append(_measure_row({"case": "prefill", "shape": f"1x{S}", "seq_len": S}, impls, t, n,
+                                 cpm))
+        del q, k, v, t
+    return rows
+
+
+def _measure_row(row: dict, impls: dict, t: dict, calls: int, cpm: float) -> dict:
+    """Every implementation on inputs t into row (a peer that cannot run is noted); prints it."""
+    for name, make in impls.items():
+        try:
+            fn, context = make(t)
+            with context():
+                row[name] = measure(fn, calls, cpm)
+        except Exception as e:  # noqa: BLE001 - reported, not fatal
+            torch.cuda.synchronize()
+            row[name] = {"note": f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"}
+    print(_fmt(row), flush=True)
+    torch.cuda.empty_cache()
+    return row
+
+
+# ------------------------------------------------------------------------------------ report
+_COLS = ("longctx", "longctx_generic", "longctx_triton", "sdpa_flash", "sdpa_cudnn")
+
+
+def _num(x) -> str:
+    return f"{x:7.1f}" if isinstance(x, (int, float)) else f"{'-':>7}"
+
+
+def _fmt(row: dict) -> str:
+    parts = [f"{row['case']:>7} {row['shape']:>9}"]
+    for c in _COLS:
+        if c in row:
+            r = row[c]
+            parts.append(f"{c}: host {_num(r.get('host_us'))} eager {_num(r.get('eager_us'))} "
+                         f"graph {_num(r.get('graph_us'))}")
+    return " | ".join(parts)
+
+
+def targets(row: dict) -> dict:
+    """Issue 20's targets for one row (None where a number is missing)."""
+    ours, cudnn = row.get("longctx", {}), row.get("sdpa_cudnn", {})
+    host, eager, graph = ours.get("host_us"), ours.get("eager_us"), ours.get("graph_us")
+    out = {}
+    if row["case"] == "decode" and host is not None:
+        out["host_le_20us"] = host <= 20.0
+    if None not in (host, eager, graph) and graph > host:
+        out["eager_within_10pct_of_graph"] = eager <= 1.10 * graph
+    if row["case"] == "prefill" and host is not None and cudnn.get("host_us") is not None:
+        out["host_le_cudnn"] = host <= cudnn["host_us"]
+    return out
+
+
+def print_table(rows: list[dict], device: str) -> None:
+    print(f"\n{device}; µs per call: host (GPU held busy) / eager (back-to-back) / graph (replayed)")
+    names = [c for c in _COLS if any(c in r for r in rows)]
+    head = f"{'case':>7} {'shape':>9} | " + " | ".join(f"{n:^23}" for n in names) + " | targets"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        cells = []
+        for n in names:
+            m = r.get(n, {})
+            cells.append(f"{_num(m.get('host_us'))} {_num(m.get('eager_us'))} {_num(m.get('graph_us'))}")
+        t = targets(r)
+        mark = " ".join(f"{k}={'ok' if v else 'MISS'}" for k, v in t.items())
+        print(f"{r['case']:>7} {r['shape']:>9} | " + " | ".join(cells) + f" | {mark}")
+
+
+# ------------------------------------------------------------------------------------ CPU stub
+def stub_breakdown(shape: tuple[int, int], n: int = 20000) -> dict:
+    """The fast path's Python side on a CPU, launches stubbed (no GPU, no interpreter): µs per
+    part of one longctx.decode call. CPU torch.empty stands in for CUDA's caching allocator (on
+    a GPU host each CUDA allocation and each C launch costs more than here)."""
+    os.environ.pop("TRITON_INTERPRET", None)
+    import importlib
+
+    import longctx
+    import longctx.backend as backend
+    from longctx.kernels import launch as L
+    from longctx.kernels.utils import pdl_allowed
+
+    api = importlib.import_module("longctx.decode")
+    L.current_device = lambda: 0
+    L._stream = lambda device: 0
+    launched = []
+    L._fetch_binary = lambda stand_ins, launch: (lambda stream, args: launched.append(len(args)))
+    backend._forced = True  # CPU tensors take the Triton path; launches are stubbed
+    B, N = shape
+    q = torch.randn(B, 16, 128, dtype=torch.float16)
+    k = torch.empty(B, N, 2, 128, dtype=torch.float16)
+    v = torch.empty_like(k)
+    lens = torch.full((B,), N, dtype=torch.int32)
+
+    def call():
+        return longctx.decode(q, k, v, cache_seqlens=lens)
+    call()
+    plan = next(iter(api._PLANS.values()))
+    scratch = torch.empty(plan.scratch)
+    o = torch.empty(plan.o_shape, dtype=plan.dtype)
+    dyn_split = (q.data_ptr(), k.data_ptr(), v.data_ptr(), lens.data_ptr(), lens.data_ptr(),
+                 scratch.data_ptr(), scratch.data_ptr() + 4 * plan.lse_part_off)
+
+    def us(f):
+        return min(timeit.repeat(f, number=n, repeat=5)) / n * 1e6
+
+    def lookup():  # longctx.decode's key for this call
+        return api._PLANS.get((0, q.get_device(), q.dtype, q.shape, q.stride(), k.get_device(),
+                               k.dtype, k.shape, k.stride(), v.get_device(), v.dtype, v.shape,
+                               v.stride(), L.signature(lens), L.signature(None), None, None,
+                               False, pdl_allowed()))
+    assert lookup() is plan
+    parts = {
+        "fast_launch_active + current_device": us(
+            lambda: (L.fast_launch_active(), L.current_device())),
+        "cache key (devices, dtypes, shapes, strides, PDL flag) + dict lookup": us(lookup),
+        "allocations (output + scratch; CPU torch.empty)": us(
+            lambda: (torch.empty(plan.o_shape, dtype=plan.dtype, device=q.device),
+                     torch.empty(plan.scratch, dtype=torch.float32, device=q.device))),
+        "data pointers (6) + dynamic-argument tuple": us(
+            lambda: (q.data_ptr(), k.data_ptr(), v.data_ptr(), lens.data_ptr(), scratch.data_ptr(),
+                     o.data_ptr())),
+        "Launch.__call__ (spec_code, binary lookup, argument tuple), launcher stubbed": us(
+            lambda: plan.split(dyn_split, 0)),
+        "whole longctx.decode call (two launches, stubbed)": us(call),
+    }
+    qa = torch.randn(1, 512, 16, 128, dtype=torch.bfloat16)
+    ka = torch.randn(1, 512, 2, 128, dtype=torch.bfloat16)
+    o_p, lse_p = torch.randn(8, 4, 16, 128), torch.randn(8, 4, 16)
+    acc = (torch.zeros(4, 16, 128), torch.full((4, 16), float("-inf")))
+    for name, f in (("whole longctx.attention call (1x512 causal, stubbed)",
+                     lambda: longctx.attention(qa, ka, ka, causal=True)),
+                    ("whole longctx.attention_merge_into call (1x512 causal, stubbed)",
+                     lambda: longctx.attention_merge_into(torch.empty(1, 512, 16, 128),
+                                                          torch.empty(1, 512, 16), qa, ka, ka,
+                                                          causal=True)),
+                    ("whole longctx.merge_states call (8 parts, stubbed, check=False)",
+                     lambda: longctx.merge_states(o_p, lse_p, check=False)),
+                    ("whole longctx.merge_into call (stubbed, check=False)",
+                     lambda: longctx.merge_into(*acc, o_p[0], lse_p[0], check=False))):
+        f()
+        parts[name] = us(f)
+    print(f"CPU, launches stubbed, decode {B}x{N} (num_splits {plan.num_splits}), µs per call:")
+    for name, t in parts.items():
+        print(f"  {t:6.2f}  {name}")
+    return parts
+
+
+# ------------------------------------------------------------------------------------ main
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--decode", nargs="*", default=None,
+                    help="BxN shapes (default: configs/bench.yaml's decode shapes)")
+    ap.add_argument("--prefill", nargs="*", type=int, default=[512, 2048, 8192],
+                    help="query = key rows of the causal prefill shapes")
+    ap.add_argument("--calls", type=int, default=200, help="calls per repetition (decode)")
+    ap.add_argument("--tag", default="", help="appended to the JSON file name")
+    ap.add_argument("--stub", action="store_true", help="CPU only: the fast path's Python side")
+    args = ap.parse_args()
+    if args.stub:
+        result = {"stub_breakdown_us": stub_breakdown((1, 65536))}
+        out_dir = Path(os.environ.get("OUT") or ROOT / "bench" / "results")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / f"host-time-stub{'-' + args.tag if args.tag else ''}.json").write_text(
+            json.dumps(result, indent=1))
+        return
+    if not torch.cuda.is_available():
+        sys.exit("bench/host_time.py needs a CUDA GPU (or --stub for the CPU breakdown)")
+    import triton
+
+    from longctx.hardware import code_commit
+
+    shapes = ([tuple(int(x) for x in s.split("x")) for s in args.decode] if args.decode is not None
+              else [tuple(s) for s in _decode_config()["shapes"]])
+    cpm = _cycles_per_ms()
+    device = torch.cuda.get_device_name()
+    rows = run_decode(shapes, args.calls, cpm) + run_prefill(args.prefill, max(20, args.calls // 4), cpm)
+    for r in rows:
+        r["targets"] = targets(r)
+    result = {"device": device, "commit": code_commit(), "torch": torch.__version__,
+              "triton": triton.__version__, "date": datetime.now(timezone.utc).isoformat(),
+              "calls": args.calls, "rows": rows}
+    out_dir = Path(os.environ.get("OUT") or ROOT / "bench" / "results")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"host-time{'-' + args.tag if args.tag else ''}.json"
+    path.write_text(json.dumps(result, indent=1))
+    print(f"\nwrote {path}")
+    print_table(rows, device)
 
 
 if __name__ == "__main__":

@@ -21,11 +21,12 @@ import triton
 import triton.language as tl
 
 from longctx.backend import interpreter_active
-from longctx.kernels.merge import merge_states_triton
+from longctx.kernels.launch import Launch
+from longctx.kernels.merge import merge_states_launch
 from longctx.kernels.utils import (cdiv, device_name, device_sms, next_power_of_2, pdl_launch,
                                    pdl_wait)
 
-__all__ = ["flash_decode", "flash_decode_partials", "choose_num_splits"]
+__all__ = ["DecodePlan", "flash_decode", "flash_decode_partials", "choose_num_splits"]
 
 _LOG2E = 1.4426950408889634
 # Upper bound on query heads handled by one program. Larger GQA groups (e.g. MQA
@@ -117,6 +118,7 @@ def _decode_split_kernel(
     INPUT_PRECISION: tl.constexpr,
     INTERPRET_LOOP: tl.constexpr,
     USE_PDL: tl.constexpr,
+    HAS_SEQLENS: tl.constexpr = True,  # False: every sequence is full (length = capacity)
 ):
     pdl_wait(USE_PDL)  # q and the newest K/V come from the kernels before
     split = tl.program_id(0)
@@ -132,7 +134,10 @@ def _decode_split_kernel(
     q_head = hkv * GROUP + offs_h  # global query-head index
 
     # ---- split range from the current length (device-side, graph-safe) ----
-    seqlen = tl.load(SEQLENS + b64 * stride_sl)
+    if HAS_SEQLENS:
+        seqlen = tl.load(SEQLENS + b64 * stride_sl)
+    else:  # no lengths tensor to allocate per call for the default
+        seqlen = tl.zeros((), tl.int32) + capacity
     # An invalid length reads nothing and yields NaN below (no host sync to raise instead).
     len_ok = (seqlen >= 0) & (seqlen <= capacity)
     seqlen = tl.where(len_ok, seqlen, 0)
@@ -211,11 +216,53 @@ def _launch_config(head_dim: int, dtype: torch.dtype, block_h: int, keys_per_spl
     return 64, num_warps, 2 if keys_per_split <= 256 else 3
 
 
+def _split_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  cache_seqlens: torch.Tensor | None, block_table: torch.Tensor | None,
+                  softmax_scale: float, num_splits: int, out_dtype: torch.dtype,
+                  config: tuple[int, int, int] | None = None) -> Launch:
+    """The split kernel's launch for these inputs (read for shapes, strides, dtypes and device
+    only), writing contiguous o_part [num_splits, B, Hq, D] out_dtype and lse_part
+    [num_splits, B, Hq] float32. Dynamic arguments: the pointers of q, k_cache, v_cache,
+    cache_seqlens (q's without one), block_table (cache_seqlens' without one), o_part, lse_part.
+    q: [B, Hq, D] or [B, 1, Hq, D]."""
+    B, Hq, D = q.shape[0], q.shape[-2], q.shape[-1]
+    Hkv = k_cache.shape[2]
+    paged = block_table is not None
+    if paged:
+        page_size, num_pages = k_cache.shape[1], k_cache.shape[0]
+        capacity = block_table.shape[1] * page_size
+        stride_btb = block_table.stride(0)
+    else:
+        page_size, num_pages, capacity = 1, 0, k_cache.shape[1]
+        stride_btb = 0  # a dummy pointer, never dereferenced
+    sl_dtype = q.dtype if cache_seqlens is None else cache_seqlens.dtype
+    group = Hq // Hkv
+    block_h = min(max(16, next_power_of_2(group)), _MAX_BLOCK_H)
+    keys = cdiv(capacity, num_splits)
+    block_n, num_warps, num_stages = config or _launch_config(D, k_cache.dtype, block_h, keys, q.device)
+    # fp32 caches: exact fp32 products (tf32 would cost ~1e-3 relative error).
+    precision = "ieee" if k_cache.dtype == torch.float32 else "tf32"
+    sk, sv = k_cache.stride(), v_cache.stride()
+    return Launch(
+        _decode_split_kernel, (num_splits, B * Hkv, cdiv(group, block_h)),
+        (q.dtype, k_cache.dtype, v_cache.dtype, sl_dtype,
+         sl_dtype if block_table is None else block_table.dtype, out_dtype, torch.float32),
+        (float(softmax_scale) * _LOG2E, num_splits, capacity, num_pages,
+         q.stride(0), q.stride(-2), *sk[:3], *sv[:3],
+         0 if cache_seqlens is None else cache_seqlens.stride(0), stride_btb,
+         B * Hq * D, Hq * D, D,  # o_part, contiguous
+         B * Hq, Hq),  # lse_part, contiguous
+        dict(HKV=Hkv, GROUP=group, HEAD_DIM=D, BLOCK_H=block_h, BLOCK_N=block_n, PAGED=paged,
+             PAGE_SIZE=page_size, INPUT_PRECISION=precision, INTERPRET_LOOP=_INTERPRET,
+             HAS_SEQLENS=cache_seqlens is not None, num_warps=num_warps, num_stages=num_stages,
+             **pdl_launch(q.device)))
+
+
 def flash_decode_partials(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    cache_seqlens: torch.Tensor,
+    cache_seqlens: torch.Tensor | None,
     block_table: torch.Tensor | None,
     softmax_scale: float,
     num_splits: int,
@@ -231,8 +278,9 @@ def flash_decode_partials(
             cache dtype inside the kernel.
         k_cache, v_cache: contiguous [B, S_max, Hkv, D] (block_table None) or paged
             [num_pages, page_size, Hkv, D]; last-dim stride 1.
-        cache_seqlens: [B] int32 on q's device. A length outside [0, capacity] or a page id
-            outside [0, num_pages) within the length makes that sequence's output NaN.
+        cache_seqlens: [B] int32 on q's device, or None: every sequence holds `capacity` keys.
+            A length outside [0, capacity] or a page id outside [0, num_pages) within the
+            length makes that sequence's output NaN.
         block_table: None, or [B, max_pages] int32 (last-dim stride 1); logical position p
             of sequence b lives in page block_table[b, p // page_size], slot p % page_size.
         softmax_scale: multiplier applied to q.k (usually D ** -0.5).
@@ -245,84 +293,119 @@ def flash_decode_partials(
         lse_part [num_splits, B, Hq] float32 natural log. Empty splits: o = 0, lse = -inf.
     """
     B, Hq, D = q.shape
-    Hkv = k_cache.shape[2]
-    paged = block_table is not None
-    if paged:
-        page_size, num_pages = k_cache.shape[1], k_cache.shape[0]
-        capacity = block_table.shape[1] * page_size
-        bt, stride_btb = block_table, block_table.stride(0)
-    else:
-        page_size, num_pages, capacity = 1, 0, k_cache.shape[1]
-        bt, stride_btb = cache_seqlens, 0  # dummy pointer, never dereferenced
-
-    group = Hq // Hkv
-    block_h = min(max(16, next_power_of_2(group)), _MAX_BLOCK_H)
-    n_hblk = cdiv(group, block_h)
-    keys = cdiv(capacity, num_splits)
-    block_n, num_warps, num_stages = config or _launch_config(D, k_cache.dtype, block_h, keys, q.device)
-
+    launch = _split_launch(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale,
+                           num_splits, out_dtype, config)
     o_part = torch.empty((num_splits, B, Hq, D), device=q.device, dtype=out_dtype)
     lse_part = torch.empty((num_splits, B, Hq), device=q.device, dtype=torch.float32)
-
-    # fp32 caches: exact fp32 products (tf32 would cost ~1e-3 relative error).
-    precision = "ieee" if k_cache.dtype == torch.float32 else "tf32"
-
-    grid = (num_splits, B * Hkv, n_hblk)
-    # Stride tuples, one call per tensor: eager callers pay every host-side op.
-    sk, sv = k_cache.stride(), v_cache.stride()
-    _decode_split_kernel[grid](
-        q, k_cache, v_cache, cache_seqlens, bt, o_part, lse_part,
-        float(softmax_scale) * _LOG2E,
-        num_splits, capacity, num_pages,
-        *q.stride()[:2],
-        *sk[:3],
-        *sv[:3],
-        cache_seqlens.stride(0),
-        stride_btb,
-        B * Hq * D, Hq * D, D,  # o_part, contiguous
-        B * Hq, Hq,  # lse_part, contiguous
-        HKV=Hkv,
-        GROUP=group,
-        HEAD_DIM=D,
-        BLOCK_H=block_h,
-        BLOCK_N=block_n,
-        PAGED=paged,
-        PAGE_SIZE=page_size,
-        INPUT_PRECISION=precision,
-        INTERPRET_LOOP=_INTERPRET,
-        num_warps=num_warps,
-        num_stages=num_stages,
-        **pdl_launch(q.device),
-    )
+    sl = q if cache_seqlens is None else cache_seqlens
+    bt = sl if block_table is None else block_table
+    launch.generic(q, k_cache, v_cache, sl, bt, o_part, lse_part)  # tuning: Triton's launch path
     return o_part, lse_part
+
+
+class DecodePlan:
+    """Flash-Decoding for one input signature: the split kernel's launch, the merge kernel's
+    (more than one split) and the buffers they write, computed once.
+
+    Built from the shapes, strides, dtypes and devices of the inputs only (what longctx.decode
+    keys its plan cache by), so a plan serves every call with that signature. Per call it
+    allocates the output (and the LSE when returned) and one float32 scratch buffer for the
+    partial states (and the LSE when not returned), and launches: at most three allocations
+    and two launches. The scratch is freed when the call returns, as separate partial buffers
+    were before: the caching allocator hands it out again only to work queued after the
+    launches on the same stream (or, inside a CUDA-graph capture, within the graph's pool).
+    """
+
+    __slots__ = ("o_shape", "dtype", "lse_shape", "return_lse", "scratch", "lse_part_off",
+                 "lse_off", "num_splits", "split", "merge")
+
+    def __init__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 cache_seqlens: torch.Tensor | None, block_table: torch.Tensor | None,
+                 softmax_scale: float, num_splits: int | None, return_lse: bool) -> None:
+        B, Hq, D = q.shape[0], q.shape[-2], q.shape[-1]
+        if num_splits is None:
+            capacity = (block_table.shape[1] * k_cache.shape[1] if block_table is not None
+                        else k_cache.shape[1])
+            num_splits = choose_num_splits(B, k_cache.shape[2], capacity, device_sms(q.device))
+        self.num_splits, self.return_lse = num_splits, return_lse
+        self.o_shape, self.dtype, self.lse_shape = q.shape, q.dtype, (B, Hq)
+        rows = B * Hq
+        # Scratch (float32): [o_part | lse_part] with more than one split, then the final LSE
+        # when it is not returned. With one split the split kernel writes o and the LSE itself.
+        self.lse_part_off = num_splits * rows * D if num_splits > 1 else 0
+        self.lse_off = self.lse_part_off + num_splits * rows if num_splits > 1 else 0
+        self.scratch = self.lse_off + (0 if return_lse else rows)
+        self.split = self.merge = None
+        if rows == 0:
+            return
+        if num_splits == 1:
+            self.split = _split_launch(q, k_cache, v_cache, cache_seqlens, block_table,
+                                       softmax_scale, 1, q.dtype)
+        else:
+            self.split = _split_launch(q, k_cache, v_cache, cache_seqlens, block_table,
+                                       softmax_scale, num_splits, torch.float32)
+            self.merge = merge_states_launch(num_splits, rows, D, (rows * D, D), (rows, 1),
+                                             (torch.float32, torch.float32, q.dtype), q.device)
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 cache_seqlens: torch.Tensor | None, block_table: torch.Tensor | None,
+                 device: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(o shaped like q in q's dtype, lse [B, Hq] float32 or None when not return_lse).
+        device: the current CUDA device for fast launches, None for Triton's path."""
+        dev = q.device
+        o = torch.empty(self.o_shape, dtype=self.dtype, device=dev)
+        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=dev) if self.return_lse else None
+        scratch = torch.empty(self.scratch, dtype=torch.float32, device=dev) if self.scratch else None
+        if self.split is None:
+            return o, lse
+        sl = q if cache_seqlens is None else cache_seqlens
+        bt = sl if block_table is None else block_table
+        if device is not None:
+            qp = q.data_ptr()
+            slp = qp if cache_seqlens is None else cache_seqlens.data_ptr()
+            btp = slp if block_table is None else block_table.data_ptr()
+            base = 0 if scratch is None else scratch.data_ptr()
+            lp = base + 4 * self.lse_off if lse is None else lse.data_ptr()
+            op = o.data_ptr()
+            if self.merge is None:
+                self.split((qp, k_cache.data_ptr(), v_cache.data_ptr(), slp, btp, op, lp), device)
+            else:
+                lpp = base + 4 * self.lse_part_off
+                self.split((qp, k_cache.data_ptr(), v_cache.data_ptr(), slp, btp, base, lpp), device)
+                self.merge((base, lpp, op, lp), device)
+            return o, lse
+        lse_out = lse if lse is not None else scratch[self.lse_off:]
+        if self.merge is None:
+            self.split.generic(q, k_cache, v_cache, sl, bt, o, lse_out)
+        else:
+            o_part = scratch[:self.lse_part_off]
+            lse_part = scratch[self.lse_part_off:self.lse_off]
+            self.split.generic(q, k_cache, v_cache, sl, bt, o_part, lse_part)
+            self.merge.generic(o_part, lse_part, o, lse_out)
+        return o, lse
 
 
 def flash_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    cache_seqlens: torch.Tensor,
+    cache_seqlens: torch.Tensor | None,
     block_table: torch.Tensor | None,
     softmax_scale: float,
     num_splits: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Flash-Decoding: split kernel, then the merge layer's kernel over the splits.
 
-    Returns o [B, Hq, D] in q's dtype and lse [B, Hq] float32 natural log. With one split
-    the split kernel writes the final output directly (no merge launch).
+    q [B, Hq, D] or [B, 1, Hq, D]. Returns o shaped like q in q's dtype and lse [B, Hq]
+    float32 natural log. With one split the split kernel writes the final output directly
+    (no merge launch). cache_seqlens None: every sequence is full.
+
+    Launches through Triton's generic path; longctx.decode caches the DecodePlan per input
+    signature and launches directly.
     """
-    B, Hkv = q.shape[0], k_cache.shape[2]
-    if num_splits is None:
-        capacity = (block_table.shape[1] * k_cache.shape[1] if block_table is not None
-                    else k_cache.shape[1])
-        num_splits = choose_num_splits(B, Hkv, capacity, device_sms(q.device))
-    if num_splits == 1:
-        o, lse = flash_decode_partials(q, k_cache, v_cache, cache_seqlens, block_table,
-                                       softmax_scale, 1, out_dtype=q.dtype)
-        return o[0], lse[0]
-    o_part, lse_part = flash_decode_partials(q, k_cache, v_cache, cache_seqlens, block_table,
-                                             softmax_scale, num_splits)
-    return merge_states_triton(o_part, lse_part, out_dtype=q.dtype)
+    plan = DecodePlan(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale,
+                      num_splits, return_lse=True)
+    return plan(q, k_cache, v_cache, cache_seqlens, block_table, None)
 
 
 def choose_num_splits(

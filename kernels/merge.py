@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from longctx.kernels.launch import Launch
 from longctx.kernels.utils import cdiv, next_power_of_2, pdl_launch, pdl_wait
 
 
@@ -111,48 +112,113 @@ def _rows(x: torch.Tensor, lead: int) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def _aliases(view: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether `view` (from reshape / contiguous of x) shares x's memory and first element: then
+    it is a view for every tensor of x's shape and strides (reshape's choice depends on nothing
+    else), and x's data pointer with view's strides addresses it."""
+    return view.data_ptr() == x.data_ptr() and (
+        x.numel() == 0 or view.untyped_storage().data_ptr() == x.untyped_storage().data_ptr())
+
+
+def merge_states_launch(P: int, R: int, D: int, o_strides: tuple[int, int],
+                        lse_strides: tuple[int, int], dtypes: tuple[torch.dtype, ...],
+                        device: torch.device) -> Launch:
+    """The merge kernel over o [P, R, D] (strides o_strides of its P and R dims, unit in D) and
+    lse [P, R] (lse_strides) into contiguous o_out [R, D], lse_out [R] float32. dtypes: of o,
+    lse, o_out (lse_out is float32). Dynamic arguments: the four pointers."""
+    BLOCK_D = min(next_power_of_2(D), 32)
+    BLOCK_P = max(1, min(next_power_of_2(P), 4096 // BLOCK_D))
+    return Launch(_merge_kernel, (R, cdiv(D, BLOCK_D)), (*dtypes, torch.float32),
+                  (P, D, *o_strides, *lse_strides, D),
+                  dict(BLOCK_P=BLOCK_P, BLOCK_D=BLOCK_D, num_warps=2, **pdl_launch(device)))
+
+
+class MergeStatesPlan:
+    """`merge_states_triton` for one signature (shapes, strides, dtypes, device of o and lse; the
+    output dtype): the launch and the output shapes, computed once."""
+
+    __slots__ = ("o_view", "lse_view", "out_shape", "lse_shape", "out_dtype", "launch")
+
+    def __init__(self, o: torch.Tensor, lse: torch.Tensor, out_dtype: torch.dtype | None = None):
+        P = o.shape[0]
+        o3 = _rows(o, 1)
+        lse2 = lse.reshape(P, -1)
+        # Inputs that reshape cannot view are copied on every call (contiguous copies).
+        self.o_view, self.lse_view = _aliases(o3, o), _aliases(lse2, lse)
+        R, D = o3.shape[1], o3.shape[2]
+        self.out_shape, self.lse_shape = o.shape[1:], lse.shape[1:]
+        self.out_dtype = out_dtype or o.dtype
+        # Outputs are allocated in their final shapes (contiguous: row r of [R, D] starts at r * D).
+        self.launch = None if R == 0 else merge_states_launch(
+            P, R, D, o3.stride()[:2], lse2.stride(), (o.dtype, lse.dtype, self.out_dtype), o.device)
+
+    def __call__(self, o: torch.Tensor, lse: torch.Tensor, device: int | None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Merge; device: the current CUDA device for a fast launch, None for Triton's path."""
+        o_out = torch.empty(self.out_shape, dtype=self.out_dtype, device=o.device)
+        lse_out = torch.empty(self.lse_shape, dtype=torch.float32, device=o.device)
+        if self.launch is not None:
+            o3 = o if self.o_view else _rows(o, 1)
+            lse2 = lse if self.lse_view else lse.reshape(o.shape[0], -1)
+            if device is None:
+                self.launch.generic(o3, lse2, o_out, lse_out)
+            else:
+                self.launch((o3.data_ptr(), lse2.data_ptr(), o_out.data_ptr(), lse_out.data_ptr()),
+                            device)
+        return o_out, lse_out
+
+
 def merge_states_triton(o: torch.Tensor, lse: torch.Tensor, out_dtype: torch.dtype | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """o [P, ..., H, D], lse [P, ..., H] float32 -> (o [..., H, D] in out_dtype (default
-    o.dtype), lse [..., H] float32)."""
-    P = o.shape[0]
-    o3 = _rows(o, 1)
-    lse2 = lse.reshape(P, -1)
-    R, D = o3.shape[1], o3.shape[2]
-    # Allocated in their final shapes (contiguous: row r of [R, D] starts at r * D); on the
-    # eager decode path every host-side op counts.
-    o_out = torch.empty(o.shape[1:], dtype=out_dtype or o.dtype, device=o.device)
-    lse_out = torch.empty(lse.shape[1:], dtype=torch.float32, device=o.device)
-    if R:
-        BLOCK_D = min(next_power_of_2(D), 32)
-        BLOCK_P = max(1, min(next_power_of_2(P), 4096 // BLOCK_D))
-        s_op, s_or, _ = o3.stride()
-        s_lp, s_lr = lse2.stride()
-        _merge_kernel[(R, cdiv(D, BLOCK_D))](
-            o3, lse2, o_out, lse_out, P, D, s_op, s_or, s_lp, s_lr, D,
-            BLOCK_P=BLOCK_P, BLOCK_D=BLOCK_D, num_warps=2, **pdl_launch(o.device),
-        )
-    return o_out, lse_out
+    o.dtype), lse [..., H] float32). Triton's generic launch path; longctx.merge.merge_states
+    caches the plan per input signature and launches directly."""
+    return MergeStatesPlan(o, lse, out_dtype)(o, lse, None)
+
+
+class MergeIntoPlan:
+    """`merge_into_triton` for one signature (shapes, strides, dtypes, device of the four
+    tensors): whether the accumulator is updated in place, and the launch."""
+
+    __slots__ = ("inplace", "o_view", "lse_view", "launch")
+
+    def __init__(self, o_acc: torch.Tensor, lse_acc: torch.Tensor, o: torch.Tensor,
+                 lse: torch.Tensor) -> None:
+        self.inplace = (o_acc.is_contiguous() and lse_acc.is_contiguous()
+                        and lse_acc.dtype == torch.float32)
+        D, H = o.shape[-1], o.shape[-2]
+        o2 = _rows(o, 0)
+        l2 = lse.reshape(-1, H)  # a view, no copy, for the ring's B = 1 transpose
+        self.o_view, self.lse_view = _aliases(o2, o), _aliases(l2, lse)
+        R = o2.shape[0]
+        BLOCK_D = next_power_of_2(D)
+        BLOCK_R = max(1, min(32, 4096 // BLOCK_D))
+        self.launch = None if R == 0 else Launch(
+            _merge_into_kernel, (cdiv(R, BLOCK_R),), (o.dtype, lse.dtype, o_acc.dtype, torch.float32),
+            (R, D, H, o2.stride(0), l2.stride(0), l2.stride(1), D),
+            dict(BLOCK_R=BLOCK_R, BLOCK_D=BLOCK_D, num_warps=4, **pdl_launch(o.device)))
+
+    def __call__(self, o_acc: torch.Tensor, lse_acc: torch.Tensor, o: torch.Tensor,
+                 lse: torch.Tensor, device: int | None) -> None:
+        """Merge in place; device: the current CUDA device for a fast launch, None for Triton's."""
+        if self.launch is None:
+            return
+        acc_o = o_acc if self.inplace else o_acc.contiguous()
+        acc_l = lse_acc if self.inplace else lse_acc.float().contiguous()
+        o2 = o if self.o_view else _rows(o, 0)
+        l2 = lse if self.lse_view else lse.reshape(-1, o.shape[-2])
+        if device is None or not self.inplace:
+            self.launch.generic(o2, l2, acc_o, acc_l)
+        else:
+            self.launch((o2.data_ptr(), l2.data_ptr(), acc_o.data_ptr(), acc_l.data_ptr()), device)
+        if not self.inplace:
+            o_acc.copy_(acc_o)
+            lse_acc.copy_(acc_l)
 
 
 def merge_into_triton(o_acc: torch.Tensor, lse_acc: torch.Tensor, o: torch.Tensor,
                       lse: torch.Tensor) -> None:
     """In place (o_acc [..., H, D] f32, lse_acc [..., H] f32) <- merge(acc, (o, lse)); lse may
-    be a strided view (the ring passes its [B, S, H] transpose of attention's [B, H, S])."""
-    inplace = o_acc.is_contiguous() and lse_acc.is_contiguous() and lse_acc.dtype == torch.float32
-    acc_o = o_acc if inplace else o_acc.contiguous()
-    acc_l = lse_acc if inplace else lse_acc.float().contiguous()
-    D, H = o.shape[-1], o.shape[-2]
-    o2 = _rows(o, 0)
-    l2 = lse.reshape(-1, H)  # a view, no copy, for the ring's B = 1 transpose
-    R = o2.shape[0]
-    if R:
-        BLOCK_D = next_power_of_2(D)
-        BLOCK_R = max(1, min(32, 4096 // BLOCK_D))
-        _merge_into_kernel[(cdiv(R, BLOCK_R),)](
-            o2, l2, acc_o, acc_l, R, D, H, o2.stride(0), l2.stride(0), l2.stride(1), D,
-            BLOCK_R=BLOCK_R, BLOCK_D=BLOCK_D, num_warps=4, **pdl_launch(o.device),
-        )
-    if not inplace:
-        o_acc.copy_(acc_o)
-        lse_acc.copy_(acc_l)
+    be a strided view (the ring passes its [B, S, H] transpose of attention's [B, H, S]).
+    Triton's generic launch path; longctx.merge.merge_into caches the plan and launches directly."""
+    MergeIntoPlan(o_acc, lse_acc, o, lse)(o_acc, lse_acc, o, lse, None)

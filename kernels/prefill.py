@@ -47,10 +47,11 @@ import triton.language as tl
 
 from longctx.backend import interpreter_active
 from longctx.checks import check_accumulator
+from longctx.kernels.launch import Launch
 from longctx.kernels.merge import _rescale, _state_lse
 from longctx.kernels.utils import cdiv, device_capability, next_power_of_2
 
-__all__ = ["flash_attention_fwd", "hopper_kernel_applies"]
+__all__ = ["flash_attention_fwd", "hopper_kernel_applies", "PrefillPlan", "check_prefill_args"]
 
 _INTERPRET = interpreter_active()
 _LOG2E = 1.4426950408889634
@@ -375,20 +376,15 @@ def _config_dict(cfg: tuple, m_fastest: bool) -> dict:
 # --------------------------------------------------------------------------- #
 # Python entry point
 # --------------------------------------------------------------------------- #
-def _offset_arg(x: int | torch.Tensor, batch: int, device: torch.device, name: str
-                ) -> tuple[int | torch.Tensor, bool]:
-    """Normalise a start offset: python int stays a scalar, tensors must be [B] ints on device."""
+def _check_offset_arg(x: int | torch.Tensor, batch: int, device: torch.device, name: str) -> None:
+    """A start offset: a python int, or an int32/int64 tensor [B] (or 0-dim: broadcast) on device."""
     if isinstance(x, torch.Tensor):
-        if x.dim() == 0:  # broadcast on device (no host sync)
-            x = x.reshape(1).expand(batch)
-        if x.shape != (batch,):
+        if x.dim() != 0 and x.shape != (batch,):
             raise ValueError(f"{name} must have shape [{batch}], got {tuple(x.shape)}")
         if x.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"{name} must be int32/int64, got {x.dtype}")
         if x.device != device:
             raise ValueError(f"{name} must be on {device}, got {x.device}")
-        return x.contiguous(), True
-    return int(x), False
 
 
 def _alloc_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
@@ -557,84 +553,171 @@ def flash_attention_fwd(
     # Inputs are validated by longctx.attention (shapes, dtypes, devices, GQA, head_dim, and a
     # unit head_dim stride); only what the kernel itself relies on is asserted here.
     is_varlen = cu_seqlens_q is not None
+    check_prefill_args(q, k, v, q_start, k_start, cu_seqlens_q, max_seqlen_q, max_seqlen_k,
+                       accumulate)
+    plan = PrefillPlan(q, k, v, softmax_scale=softmax_scale, causal=causal, q_start=q_start,
+                       k_start=k_start, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                       max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                       accumulate=accumulate, config=_config)
+    # Triton's generic launch path; longctx.attention caches the plan and launches directly.
+    return plan(q, k, v, q_start, k_start, cu_seqlens_q, cu_seqlens_k, accumulate, None)
+
+
+def check_prefill_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       q_start: int | torch.Tensor, k_start: int | torch.Tensor,
+                       cu_seqlens_q: torch.Tensor | None, max_seqlen_q: int | None,
+                       max_seqlen_k: int | None,
+                       accumulate: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+    """What `flash_attention_fwd` itself relies on beyond longctx.attention's checks (a function
+    of shapes, strides, dtypes and devices only)."""
+    is_varlen = cu_seqlens_q is not None
     if any(t.stride(-1) != 1 for t in (q, k, v)):
         raise ValueError("q, k, v need unit stride in head_dim (the tiles move by TMA)")
     if accumulate is not None:
         if is_varlen:
             raise ValueError("accumulate is for dense inputs only")
         check_accumulator(*accumulate, q)  # float32 for every q dtype the kernels take
-    hopper = _hopper_path(q, k, v, causal, q_start, k_start, is_varlen, accumulate,
-                          _config is not None)
-    if hopper is not None:
-        return hopper.hopper_attention_fwd(q, k, v, softmax_scale=softmax_scale, causal=bool(causal),
-                                           q_start=q_start, k_start=k_start, accumulate=accumulate)
-    if is_varlen:
-        if max_seqlen_q is None or max_seqlen_k is None:
-            raise ValueError("varlen needs max_seqlen_q and max_seqlen_k (sizes the grid)")
-        batch = cu_seqlens_q.numel() - 1
-        total_q, hq, d = q.shape
-        hkv = k.shape[1]
-        # Batch stride 0: sequence starts come from cu_seqlens.
-        sq_b, sq_s, sq_h = 0, q.stride(0), q.stride(1)
-        sk_b, sk_s, sk_h = 0, k.stride(0), k.stride(1)
-        sv_b, sv_s, sv_h = 0, v.stride(0), v.stride(1)
-        o = torch.empty((total_q, hq, d), dtype=q.dtype, device=q.device)
-        lse = torch.empty((hq, total_q), dtype=torch.float32, device=q.device)
-        so_b, so_s, so_h = 0, o.stride(0), o.stride(1)
-        sl_b, sl_h, sl_s = 0, lse.stride(0), 1
-        seqlen_q_dense, seqlen_k_dense = 0, 0
-        cu_q, cu_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
-    else:
-        batch, sq, hq, d = q.shape
-        sk, hkv = k.shape[1], k.shape[2]
-        max_seqlen_q, max_seqlen_k = sq, sk
-        sq_b, sq_s, sq_h, _ = q.stride()
-        sk_b, sk_s, sk_h, _ = k.stride()
-        sv_b, sv_s, sv_h, _ = v.stride()
+    if is_varlen and (max_seqlen_q is None or max_seqlen_k is None):
+        raise ValueError("varlen needs max_seqlen_q and max_seqlen_k (sizes the grid)")
+    batch = cu_seqlens_q.numel() - 1 if is_varlen else q.shape[0]
+    _check_offset_arg(q_start, batch, q.device, "q_start")
+    _check_offset_arg(k_start, batch, q.device, "k_start")
+
+
+class PrefillPlan:
+    """The Triton kernel's launch of `flash_attention_fwd` for one input signature, computed once.
+
+    Built from the shapes, strides, dtypes and devices of the tensors, the types (int or tensor)
+    of q_start / k_start, the flags, scale, max_seqlen_q/k and `config` (what longctx.attention
+    keys its plan cache by); never from data pointers or offset values, which are the launch's
+    dynamic arguments. A call first asks the Hopper dispatch (`_hopper_path`, per call: it reads
+    data pointers, offsets and the environment), then allocates O and LSE (unless merging into
+    `accumulate`) and launches the Triton kernel once.
+    """
+
+    __slots__ = ("o_shape", "lse_shape", "dtype", "empty", "offset_copy", "cu_copy", "launch",
+                 "softmax_scale", "causal", "is_varlen", "config_given")
+
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: float,
+                 causal: bool, q_start: int | torch.Tensor, k_start: int | torch.Tensor,
+                 cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None,
+                 max_seqlen_q: int | None, max_seqlen_k: int | None,
+                 accumulate: tuple[torch.Tensor, torch.Tensor] | None,
+                 config: dict | None) -> None:
+        is_varlen = cu_seqlens_q is not None
+        self.dtype = q.dtype
+        self.launch = None
+        self.softmax_scale, self.causal, self.is_varlen = softmax_scale, causal, is_varlen
+        self.config_given = config is not None
+        if is_varlen:
+            batch = cu_seqlens_q.numel() - 1
+            total_q, hq, d = q.shape
+            hkv = k.shape[1]
+            # Batch stride 0: sequence starts come from cu_seqlens.
+            sq_b, sq_s, sq_h = 0, q.stride(0), q.stride(1)
+            sk_b, sk_s, sk_h = 0, k.stride(0), k.stride(1)
+            sv_b, sv_s, sv_h = 0, v.stride(0), v.stride(1)
+            self.o_shape, self.lse_shape = (total_q, hq, d), (hq, total_q)
+            so_b, so_s, so_h = 0, hq * d, d
+            sl_b, sl_h, sl_s = 0, total_q, 1
+            seqlen_q_dense, seqlen_k_dense = 0, 0
+            self.cu_copy = (not cu_seqlens_q.is_contiguous(), not cu_seqlens_k.is_contiguous())
+            cu_dtypes = (cu_seqlens_q.dtype, cu_seqlens_k.dtype)
+            sk = None
+        else:
+            batch, sq, hq, d = q.shape
+            sk, hkv = k.shape[1], k.shape[2]
+            max_seqlen_q, max_seqlen_k = sq, sk
+            sq_b, sq_s, sq_h, _ = q.stride()
+            sk_b, sk_s, sk_h, _ = k.stride()
+            sv_b, sv_s, sv_h, _ = v.stride()
+            if accumulate is None:
+                self.o_shape, self.lse_shape = (batch, sq, hq, d), (batch, hq, sq)
+                so_b, so_s, so_h = sq * hq * d, hq * d, d
+                sl_b, sl_h, sl_s = hq * sq, sq, 1
+            else:
+                self.o_shape = self.lse_shape = None
+                so_b, so_s, so_h, _ = accumulate[0].stride()
+                sl_b, sl_s, sl_h = accumulate[1].stride()
+            seqlen_q_dense, seqlen_k_dense = sq, sk
+            self.cu_copy = (False, False)
+            cu_dtypes = (q.dtype, q.dtype)  # dummies (q), never dereferenced (IS_VARLEN=False)
+        self.empty = (batch == 0 or q.numel() == 0 or max_seqlen_q == 0
+                      or (accumulate is not None and sk == 0))
+        # Offsets as tensors: [B] ints on q's device; a 0-dim one is broadcast on the device (no
+        # host sync) and any non-contiguous one copied, per call.
+        self.offset_copy = tuple(isinstance(x, torch.Tensor) and (x.dim() == 0 or not x.is_contiguous())
+                                 for x in (q_start, k_start))
+        if self.empty:
+            return
+        block_d = max(next_power_of_2(d), 16)
+        # fp32: true fp32 FMA dots (~1e-6 error) instead of TF32; ignored for fp16/bf16.
+        input_precision = "ieee" if q.dtype == torch.float32 else "tf32"
+        cfg = dict(config) if config is not None else launch_config(
+            d, q.dtype, bool(causal), max_seqlen_q, max_seqlen_k)
+        num_warps, num_stages = cfg.pop("num_warps", 4), cfg.pop("num_stages", 1)
+        qs_t, ks_t = (isinstance(x, torch.Tensor) for x in (q_start, k_start))
+        o_dtype = q.dtype if accumulate is None else accumulate[0].dtype
+        self.launch = Launch(
+            _attn_fwd_kernel, (batch * hq * cdiv(max_seqlen_q, cfg["BLOCK_M"]),),
+            (q.dtype, k.dtype, v.dtype, o_dtype, torch.float32,
+             q_start.dtype if qs_t else None, k_start.dtype if ks_t else None, *cu_dtypes),
+            (sq_b, sq_s, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h, so_b, so_s, so_h,
+             sl_b, sl_h, sl_s, seqlen_q_dense, seqlen_k_dense, max_seqlen_q,
+             hq, hq // hkv, float(softmax_scale) * _LOG2E),
+            dict(HEAD_DIM=d, BLOCK_D=block_d, CAUSAL=bool(causal), IS_VARLEN=is_varlen,
+                 Q_START_IS_TENSOR=qs_t, K_START_IS_TENSOR=ks_t, INPUT_PRECISION=input_precision,
+                 INTERPRET=_INTERPRET, ACCUMULATE=accumulate is not None, **cfg,
+                 num_warps=num_warps, num_stages=num_stages))
+
+    def _offset(self, x: int | torch.Tensor, i: int, batch: int) -> int | torch.Tensor:
+        """A start offset as the kernel takes it: a python int, or a contiguous [batch] tensor."""
+        if not isinstance(x, torch.Tensor):
+            return int(x)
+        if self.offset_copy[i]:
+            x = x.reshape(1).expand(batch) if x.dim() == 0 else x
+            return x.contiguous()
+        return x
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 q_start: int | torch.Tensor, k_start: int | torch.Tensor,
+                 cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None,
+                 accumulate: tuple[torch.Tensor, torch.Tensor] | None, device: int | None
+                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(o, lse), or None when merging into `accumulate`. device: the current CUDA device
+        for a fast launch, None for Triton's path."""
+        hopper = _hopper_path(q, k, v, self.causal, q_start, k_start, self.is_varlen, accumulate,
+                              self.config_given)
+        if hopper is not None:
+            return hopper.hopper_attention_fwd(q, k, v, softmax_scale=self.softmax_scale,
+                                               causal=bool(self.causal), q_start=q_start,
+                                               k_start=k_start, accumulate=accumulate)
         if accumulate is None:
-            o = torch.empty((batch, sq, hq, d), dtype=q.dtype, device=q.device)
-            lse = torch.empty((batch, hq, sq), dtype=torch.float32, device=q.device)
-            sl_b, sl_h, sl_s = lse.stride(0), lse.stride(1), 1
+            o = torch.empty(self.o_shape, dtype=self.dtype, device=q.device)
+            lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
         else:
             o, lse = accumulate
-            sl_b, sl_s, sl_h = lse.stride()
-        so_b, so_s, so_h, _ = o.stride()
-        seqlen_q_dense, seqlen_k_dense = sq, sk
-        cu_q = cu_k = q  # dummies, never dereferenced (IS_VARLEN=False)
-
-    if batch == 0 or q.numel() == 0 or max_seqlen_q == 0 or (accumulate is not None and sk == 0):
-        if accumulate is not None:
-            return None  # merging an empty state changes nothing
-        lse.fill_(float("-inf"))
-        o.zero_()
-        return o, lse
-
-    qs_arg, qs_is_t = _offset_arg(q_start, batch, q.device, "q_start")
-    ks_arg, ks_is_t = _offset_arg(k_start, batch, q.device, "k_start")
-
-    block_d = max(next_power_of_2(d), 16)
-    # fp32: true fp32 FMA dots (~1e-6 error) instead of TF32; ignored for fp16/bf16.
-    input_precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    cfg = dict(_config) if _config is not None else launch_config(
-        d, q.dtype, bool(causal), max_seqlen_q, max_seqlen_k)
-    num_warps, num_stages = cfg.pop("num_warps", 4), cfg.pop("num_stages", 1)
-    grid = (batch * hq * cdiv(max_seqlen_q, cfg["BLOCK_M"]),)
-    if q.is_cuda:
-        _set_allocator()  # tensor descriptors made on the device need a little global scratch
-    _attn_fwd_kernel[grid](
-        q, k, v, o, lse, qs_arg, ks_arg, cu_q, cu_k,
-        sq_b, sq_s, sq_h,
-        sk_b, sk_s, sk_h,
-        sv_b, sv_s, sv_h,
-        so_b, so_s, so_h,
-        sl_b, sl_h, sl_s,
-        seqlen_q_dense, seqlen_k_dense, max_seqlen_q,
-        hq, hq // hkv,
-        float(softmax_scale) * _LOG2E,
-        HEAD_DIM=d, BLOCK_D=block_d, CAUSAL=bool(causal), IS_VARLEN=is_varlen,
-        Q_START_IS_TENSOR=qs_is_t, K_START_IS_TENSOR=ks_is_t,
-        INPUT_PRECISION=input_precision, INTERPRET=_INTERPRET, ACCUMULATE=accumulate is not None,
-        **cfg, num_warps=num_warps, num_stages=num_stages,
-    )
-    return None if accumulate is not None else (o, lse)
-
+        if self.launch is None:  # nothing to attend: the empty state, or an unchanged accumulator
+            if accumulate is not None:
+                return None
+            lse.fill_(float("-inf"))
+            o.zero_()
+            return o, lse
+        if cu_seqlens_q is None:
+            cu_q = cu_k = q  # dummies, never dereferenced (IS_VARLEN=False)
+            batch = q.shape[0]
+        else:
+            cu_q = cu_seqlens_q.contiguous() if self.cu_copy[0] else cu_seqlens_q
+            cu_k = cu_seqlens_k.contiguous() if self.cu_copy[1] else cu_seqlens_k
+            batch = cu_seqlens_q.shape[0] - 1
+        qs, ks = self._offset(q_start, 0, batch), self._offset(k_start, 1, batch)
+        if q.is_cuda:
+            _set_allocator()  # tensor descriptors made on the device need a little global scratch
+        if device is None:
+            self.launch.generic(q, k, v, o, lse, qs, ks, cu_q, cu_k)
+        else:
+            self.launch((q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(),
+                         qs if type(qs) is int else qs.data_ptr(),
+                         ks if type(ks) is int else ks.data_ptr(),
+                         cu_q.data_ptr(), cu_k.data_ptr()), device)
+        return None if accumulate is not None else (o, lse)

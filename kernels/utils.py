@@ -95,9 +95,15 @@ def pdl_launch(device: torch.device) -> dict:
     (CPU and the interpreter, older GPUs, LONGCTX_PDL=0 in the environment, or inside
     `pdl_off()`).
     """
-    if device.type != "cuda" or _pdl_off or os.environ.get("LONGCTX_PDL", "1") == "0":
+    if device.type != "cuda" or not pdl_allowed():
         return {"USE_PDL": False}
     return {"USE_PDL": True, "launch_pdl": True} if _has_pdl(cuda_index(device)) else {"USE_PDL": False}
+
+
+def pdl_allowed() -> bool:
+    """False inside `pdl_off()` or with LONGCTX_PDL=0 in the environment (read on every call, as
+    `pdl_launch` does). With the device it is all `pdl_launch` depends on: plan caches key by it."""
+    return not _pdl_off and os.environ.get("LONGCTX_PDL", "1") != "0"
 
 
 @triton.jit

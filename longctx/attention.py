@@ -23,6 +23,26 @@ def _check_cu_seqlens(cu: torch.Tensor, name: str, total: int, device: torch.dev
             )
 
 
+# longctx.kernels.launch and .prefill, imported on first use (CPU-only use never imports Triton).
+_kl = _kp = None
+
+
+def _kernels():
+    global _kl, _kp
+    if _kl is None:
+        from longctx.kernels import launch as kl, prefill as kp
+
+        _kl, _kp = kl, kp
+    return _kl
+
+
+# Validated plans by input signature: (current device, `signature` of every tensor / offset argument,
+# causal, softmax_scale, max_seqlen_q/k, return_lse). Every shape check of `attention` and
+# everything PrefillPlan computes is a function of these (on CUDA no values are read).
+_PLANS: dict = {}
+_MERGE_PLANS: dict = {}
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -61,8 +81,59 @@ def attention(
 
     Backend: CUDA tensors run the Triton FlashAttention kernel (longctx.kernels.prefill; on
     Hopper GPUs its Gluon fast path where that applies); CPU tensors the exact torch reference.
+    On CUDA a call with an input signature seen before skips validation and launches the kernel
+    directly (longctx.kernels.launch).
     """
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
+    if (use_triton_for(q) and (kl := _kl or _kernels()).fast_launch_active()
+            and (not varlen or (max_seqlen_q is not None and max_seqlen_k is not None))):
+        dev = kl.current_device()
+        try:
+            sig = kl.signature
+            key = (dev, sig(q), sig(k), sig(v), causal, softmax_scale, sig(q_start), sig(k_start),
+                   sig(cu_seqlens_q), sig(cu_seqlens_k), max_seqlen_q, max_seqlen_k)
+            plan = _PLANS.get(key)
+        except TypeError:  # unhashable: validation says what is wrong
+            key = plan = None
+        if plan is None:
+            scale = _check_attention(q, k, v, causal, softmax_scale, q_start, k_start,
+                                     cu_seqlens_q, cu_seqlens_k, varlen)
+            _kp.check_prefill_args(q, k, v, q_start, k_start, cu_seqlens_q, max_seqlen_q,
+                                   max_seqlen_k, None)
+            plan = _kp.PrefillPlan(q, k, v, softmax_scale=scale, causal=causal, q_start=q_start,
+                                   k_start=k_start, cu_seqlens_q=cu_seqlens_q,
+                                   cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                                   max_seqlen_k=max_seqlen_k, accumulate=None, config=None)
+            if key is not None:
+                kl.remember(_PLANS, key, plan)
+        o, lse = plan(q, k, v, q_start, k_start, cu_seqlens_q, cu_seqlens_k, None, dev)
+        return (o, lse) if return_lse else o
+
+    scale = _check_attention(q, k, v, causal, softmax_scale, q_start, k_start, cu_seqlens_q,
+                             cu_seqlens_k, varlen)
+    if use_triton_for(q):
+        _kernels()
+        if varlen and max_seqlen_q is None:
+            max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+        if varlen and max_seqlen_k is None:
+            max_seqlen_k = int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max())
+        o, lse = _kp.flash_attention_fwd(
+            q, k, v, softmax_scale=scale, causal=causal, q_start=q_start, k_start=k_start,
+            cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+        )
+    elif varlen:
+        o, lse = _reference_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale,
+                                   q_start, k_start)
+    else:
+        o, lse = reference_attention(q, k, v, causal=causal, softmax_scale=scale,
+                                     q_start=q_start, k_start=k_start)
+    return (o, lse) if return_lse else o
+
+
+def _check_attention(q, k, v, causal, softmax_scale, q_start, k_start, cu_seqlens_q, cu_seqlens_k,
+                     varlen) -> float:
+    """`attention`'s input checks; returns the softmax scale."""
     if varlen and (cu_seqlens_q is None or cu_seqlens_k is None):
         raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together (varlen mode)")
     check_attention_inputs(q, k, v, softmax_scale, varlen)
@@ -79,27 +150,7 @@ def attention(
         batch = q.shape[0]
     check_offset(q_start, "q_start", batch, q.device)
     check_offset(k_start, "k_start", batch, q.device)
-    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-
-    if use_triton_for(q):
-        from longctx.kernels.prefill import flash_attention_fwd
-
-        if varlen and max_seqlen_q is None:
-            max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
-        if varlen and max_seqlen_k is None:
-            max_seqlen_k = int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max())
-        o, lse = flash_attention_fwd(
-            q, k, v, softmax_scale=scale, causal=causal, q_start=q_start, k_start=k_start,
-            cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-        )
-    elif varlen:
-        o, lse = _reference_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale,
-                                   q_start, k_start)
-    else:
-        o, lse = reference_attention(q, k, v, causal=causal, softmax_scale=scale,
-                                     q_start=q_start, k_start=k_start)
-    return (o, lse) if return_lse else o
+    return softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
 
 
 def attention_merge_into(
@@ -128,20 +179,44 @@ def attention_merge_into(
     (the merge layer's rule, kernels/merge.py); CPU tensors run `attention` and then
     `merge_into`.
     """
-    check_attention_inputs(q, k, v, softmax_scale)
-    check_offset(q_start, "q_start", q.shape[0], q.device)
-    check_offset(k_start, "k_start", q.shape[0], q.device)
-    check_accumulator(o_acc, lse_acc, q)
+    if use_triton_for(q) and (kl := _kl or _kernels()).fast_launch_active():
+        dev = kl.current_device()
+        try:
+            sig = kl.signature
+            key = (dev, sig(o_acc), sig(lse_acc), sig(q), sig(k), sig(v), causal, softmax_scale,
+                   sig(q_start), sig(k_start))
+            plan = _MERGE_PLANS.get(key)
+        except TypeError:
+            key = plan = None
+        if plan is None:
+            _check_attention_merge_into(o_acc, lse_acc, q, k, v, softmax_scale, q_start, k_start)
+            _kp.check_prefill_args(q, k, v, q_start, k_start, None, None, None, (o_acc, lse_acc))
+            scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+            plan = _kp.PrefillPlan(q, k, v, softmax_scale=scale, causal=causal, q_start=q_start,
+                                   k_start=k_start, cu_seqlens_q=None, cu_seqlens_k=None,
+                                   max_seqlen_q=None, max_seqlen_k=None,
+                                   accumulate=(o_acc, lse_acc), config=None)
+            if key is not None:
+                kl.remember(_MERGE_PLANS, key, plan)
+        plan(q, k, v, q_start, k_start, None, None, (o_acc, lse_acc), dev)
+        return
+    _check_attention_merge_into(o_acc, lse_acc, q, k, v, softmax_scale, q_start, k_start)
     if use_triton_for(q):
-        from longctx.kernels.prefill import flash_attention_fwd
-
+        _kernels()
         scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-        flash_attention_fwd(q, k, v, softmax_scale=scale, causal=causal, q_start=q_start,
-                            k_start=k_start, accumulate=(o_acc, lse_acc))
+        _kp.flash_attention_fwd(q, k, v, softmax_scale=scale, causal=causal, q_start=q_start,
+                                k_start=k_start, accumulate=(o_acc, lse_acc))
         return
     o, lse = attention(q, k, v, causal=causal, softmax_scale=softmax_scale, q_start=q_start,
                        k_start=k_start, return_lse=True)
     merge_into(o_acc, lse_acc, o, lse.transpose(1, 2), check=False)
+
+
+def _check_attention_merge_into(o_acc, lse_acc, q, k, v, softmax_scale, q_start, k_start) -> None:
+    check_attention_inputs(q, k, v, softmax_scale)
+    check_offset(q_start, "q_start", q.shape[0], q.device)
+    check_offset(k_start, "k_start", q.shape[0], q.device)
+    check_accumulator(o_acc, lse_acc, q)
 
 
 def _reference_varlen(q, k, v, cu_q, cu_k, causal, scale, q_start, k_start):

@@ -35,6 +35,9 @@ def _check_decode_args(q, k_cache, v_cache, cache_seqlens, block_table, num_spli
                 f"block_table must be an int32 tensor [B={B}, max_pages], got "
                 f"{block_table.dtype} {tuple(block_table.shape)}"
             )
+        if block_table.stride(1) != 1 and block_table.shape[1] > 1:
+            raise ValueError(f"block_table must have unit stride in its last (pages) dim, got "
+                             f"strides {block_table.stride()}")
         if block_table.device != q.device:
             raise ValueError(f"block_table is on {block_table.device} but q is on {q.device}")
         page = k_cache.shape[1]
@@ -87,6 +90,27 @@ def gather_pages(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor
     return g.reshape(g.shape[0], -1, *cache.shape[2:])
 
 
+# longctx.kernels.launch and .decode, imported on first use (CPU-only use never imports Triton).
+_kl = _kd = None
+
+
+def _kernels():
+    global _kl, _kd
+    if _kl is None:
+        from longctx.kernels import decode as kd, launch as kl
+
+        _kl, _kd = kl, kd
+    return _kl
+
+
+# Validated plans by input signature: (current device, then device index, dtype, shape, strides
+# of q, k_cache, v_cache, cache_seqlens, block_table, then softmax_scale, num_splits, return_lse
+# and whether PDL is allowed). Every check of `_check_decode_args` and everything DecodePlan
+# computes is a function of these (no values: on CUDA lengths and page ids are checked by the
+# kernel), so a hit needs neither.
+_PLANS: dict = {}
+
+
 def decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -118,7 +142,35 @@ def decode(
 
     Lengths beyond the capacity and out-of-range page ids raise ValueError for CPU tensors; on
     CUDA (no host sync: CUDA-graph capturable) the kernel writes NaN for such a sequence.
+
+    On CUDA a call with an input signature seen before (devices, dtypes, shapes and strides of
+    the tensors, and the other arguments) skips validation and launches the kernels directly
+    (longctx.kernels.launch); `LONGCTX_FAST_LAUNCH=0` or `fast_launch(False)` turns that off.
     """
+    # CUDA tensors (CPU ones only in tests, which patch longctx.kernels.launch; their value
+    # checks then do not run, as on CUDA).
+    if use_triton_for(q) and (kl := _kl or _kernels()).fast_launch_active():
+        dev = kl.current_device()
+        try:
+            key = (dev, q.get_device(), q.dtype, q.shape, q.stride(),
+                   k_cache.get_device(), k_cache.dtype, k_cache.shape, k_cache.stride(),
+                   v_cache.get_device(), v_cache.dtype, v_cache.shape, v_cache.stride(),
+                   kl.signature(cache_seqlens), kl.signature(block_table), softmax_scale,
+                   num_splits, return_lse, kl.pdl_allowed())
+            plan = _PLANS.get(key)
+        except (AttributeError, TypeError):  # not tensors / unhashable: validation says what
+            key = plan = None
+        if plan is None:
+            _check_decode_args(q, k_cache, v_cache, cache_seqlens, block_table, num_splits)
+            check_softmax_scale(softmax_scale)
+            scale = softmax_scale if softmax_scale is not None else q.shape[-1]**-0.5
+            plan = _kd.DecodePlan(q, k_cache, v_cache, cache_seqlens, block_table, scale,
+                                 num_splits, return_lse)
+            if key is not None:
+                kl.remember(_PLANS, key, plan)
+        o, lse = plan(q, k_cache, v_cache, cache_seqlens, block_table, dev)
+        return (o, lse) if return_lse else o
+
     _check_decode_args(q, k_cache, v_cache, cache_seqlens, block_table, num_splits)
     check_softmax_scale(softmax_scale)
     q3 = q.reshape(q.shape[0], q.shape[-2], q.shape[-1]) if q.dim() == 4 else q
@@ -129,16 +181,15 @@ def decode(
     scale = softmax_scale if softmax_scale is not None else D**-0.5
 
     if use_triton_for(q):
-        from longctx.kernels.decode import flash_decode
-
-        if cache_seqlens is None:
-            cache_seqlens = torch.full((B,), capacity, dtype=torch.int32, device=q.device)
-        o, lse = flash_decode(q3, k_cache, v_cache, cache_seqlens, block_table, scale, num_splits)
-    else:
-        k = gather_pages(k_cache, block_table) if paged else k_cache
-        v = gather_pages(v_cache, block_table) if paged else v_cache
-        o, lse = reference_attention(q3[:, None], k, v, softmax_scale=scale, seqlens_k=cache_seqlens)
-        o, lse = o[:, 0], lse[..., 0]
+        # Triton's launch path (the interpreter on CPU; on CUDA with fast launches off).
+        _kernels()
+        o, lse = _kd.DecodePlan(q, k_cache, v_cache, cache_seqlens, block_table, scale, num_splits,
+                                return_lse)(q, k_cache, v_cache, cache_seqlens, block_table, None)
+        return (o, lse) if return_lse else o
+    k = gather_pages(k_cache, block_table) if paged else k_cache
+    v = gather_pages(v_cache, block_table) if paged else v_cache
+    o, lse = reference_attention(q3[:, None], k, v, softmax_scale=scale, seqlens_k=cache_seqlens)
+    o, lse = o[:, 0], lse[..., 0]
     if q.dim() == 4:
         o = o.view(q.shape)
     return (o, lse) if return_lse else o

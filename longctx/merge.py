@@ -36,6 +36,26 @@ def _math_dtype(*tensors: torch.Tensor) -> torch.dtype:
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
+# longctx.kernels.launch and .merge, imported on first use (CPU-only use never imports Triton).
+_kl = _km = None
+
+
+def _kernels():
+    global _kl, _km
+    if _kl is None:
+        from longctx.kernels import launch as kl, merge as km
+
+        _kl, _km = kl, km
+    return _kl
+
+
+# Validated plans by input signature: (current device, device index, dtype, shape and strides of
+# every tensor argument, whether PDL is allowed). The shape checks and everything a plan computes
+# are functions of these; value checks (`check`) run per call.
+_STATES_PLANS: dict = {}
+_INTO_PLANS: dict = {}
+
+
 def check_lse(lse: torch.Tensor, name: str = "lse") -> None:
     """Raise ValueError if `lse` holds +inf or NaN (-inf, the empty state, is allowed).
 
@@ -49,6 +69,12 @@ def check_lse(lse: torch.Tensor, name: str = "lse") -> None:
             f"{name} must be finite or -inf (the empty state); found {int(bad.sum())} "
             "entries that are +inf or NaN"
         )
+
+
+def _check_values(check: bool | None, lse: torch.Tensor, name: str) -> None:
+    """`check_lse` where `check` asks for it: True, or None for a CPU tensor (free to read)."""
+    if check or (check is None and not lse.is_cuda):
+        check_lse(lse, name)
 
 
 def _check_pair(o: torch.Tensor, lse: torch.Tensor, o_name: str, lse_name: str) -> None:
@@ -83,7 +109,7 @@ def merge_states_torch(o: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor
 
 
 def merge_states(
-    o: torch.Tensor, lse: torch.Tensor, *, check: bool = True
+    o: torch.Tensor, lse: torch.Tensor, *, check: bool | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge P partial attention states over the leading dim.
 
@@ -92,23 +118,45 @@ def merge_states(
             (its o is never read into the result).
         lse: [P, ..., H] float32 natural-log log-sum-exp of each part (float64 is accepted and
             then the math is float64).
-        check: raise ValueError if lse holds +inf or NaN. On CUDA this costs one host sync
-            (skipped during CUDA-graph capture); hot paths that produce lse themselves pass False.
+        check: raise ValueError if lse holds +inf or NaN. None (default): for CPU tensors, where
+            reading the values is free; not for CUDA tensors, where it costs a host sync per
+            call (unchecked, such an entry gives its row a NaN merged LSE). True: also on CUDA
+            (skipped during CUDA-graph capture). False: never.
 
     Returns:
         (o [..., H, D] in o's dtype, lse [..., H] float32; float64 if the inputs were).
+
+    On CUDA a call with an input signature seen before skips the shape checks and launches the
+    kernel directly (longctx.kernels.launch).
     """
+    if use_triton_for(o) and (kl := _kl or _kernels()).fast_launch_active():
+        dev = kl.current_device()
+        try:
+            sig = kl.signature
+            key = (dev, sig(o), sig(lse), kl.pdl_allowed())
+            plan = _STATES_PLANS.get(key)
+        except (AttributeError, TypeError):
+            key = plan = None
+        if plan is None:
+            _check_states(o, lse)
+            plan = _km.MergeStatesPlan(o, lse)
+            if key is not None:
+                kl.remember(_STATES_PLANS, key, plan)
+        _check_values(check, lse, "lse")
+        return plan(o, lse, dev)
+    _check_states(o, lse)
+    _check_values(check, lse, "lse")
+    if use_triton_for(o):
+        _kernels()
+        return _km.merge_states_triton(o, lse)
+    o_out, lse_out = merge_states_torch(o, lse)
+    return o_out.to(o.dtype), lse_out.to(_math_dtype(lse))
+
+
+def _check_states(o: torch.Tensor, lse: torch.Tensor) -> None:
     _check_pair(o, lse, "o", "lse")
     if o.shape[0] == 0:
         raise ValueError("o and lse need at least one part in their leading dim, got 0")
-    if check:
-        check_lse(lse)
-    if use_triton_for(o):
-        from longctx.kernels.merge import merge_states_triton
-
-        return merge_states_triton(o, lse)
-    o_out, lse_out = merge_states_torch(o, lse)
-    return o_out.to(o.dtype), lse_out.to(_math_dtype(lse))
 
 
 def merge_into(
@@ -117,7 +165,7 @@ def merge_into(
     o: torch.Tensor,
     lse: torch.Tensor,
     *,
-    check: bool = True,
+    check: bool | None = None,
 ) -> None:
     """In place: (o_acc, lse_acc) <- merge((o_acc, lse_acc), (o, lse)). Used by ring steps.
 
@@ -126,8 +174,41 @@ def merge_into(
         lse_acc: [..., H] float32 accumulator (start it at -inf: the empty state).
         o: [..., H, D] the new partial output, any float dtype.
         lse: [..., H] float32 natural-log LSE of the new part.
-        check: as in `merge_states`.
+        check: as in `merge_states` (for lse and lse_acc).
     """
+    if use_triton_for(o) and (kl := _kl or _kernels()).fast_launch_active():
+        dev = kl.current_device()
+        try:
+            sig = kl.signature
+            key = (dev, sig(o_acc), sig(lse_acc), sig(o), sig(lse), kl.pdl_allowed())
+            plan = _INTO_PLANS.get(key)
+        except (AttributeError, TypeError):
+            key = plan = None
+        if plan is None:
+            _check_into(o_acc, lse_acc, o, lse)
+            plan = _km.MergeIntoPlan(o_acc, lse_acc, o, lse)
+            if key is not None:
+                kl.remember(_INTO_PLANS, key, plan)
+        _check_values(check, lse, "lse")
+        _check_values(check, lse_acc, "lse_acc")
+        plan(o_acc, lse_acc, o, lse, dev)
+        return
+    _check_into(o_acc, lse_acc, o, lse)
+    _check_values(check, lse, "lse")
+    _check_values(check, lse_acc, "lse_acc")
+    if use_triton_for(o):
+        _kernels()
+        _km.merge_into_triton(o_acc, lse_acc, o, lse)
+        return
+    o_new, lse_new = merge_states_torch(
+        torch.stack([o_acc, o.to(o_acc.dtype)]), torch.stack([lse_acc, lse.to(lse_acc.dtype)])
+    )
+    o_acc.copy_(o_new)
+    lse_acc.copy_(lse_new)
+
+
+def _check_into(o_acc: torch.Tensor, lse_acc: torch.Tensor, o: torch.Tensor,
+                lse: torch.Tensor) -> None:
     _check_pair(o_acc, lse_acc, "o_acc", "lse_acc")
     _check_pair(o, lse, "o", "lse")
     if o_acc.dtype not in (torch.float32, torch.float64):
@@ -136,19 +217,6 @@ def merge_into(
         raise ValueError(f"o {tuple(o.shape)} must match o_acc {tuple(o_acc.shape)}")
     if o.device != o_acc.device:
         raise ValueError(f"o is on {o.device} but o_acc on {o_acc.device}")
-    if check:
-        check_lse(lse)
-        check_lse(lse_acc, "lse_acc")
-    if use_triton_for(o):
-        from longctx.kernels.merge import merge_into_triton
-
-        merge_into_triton(o_acc, lse_acc, o, lse)
-        return
-    o_new, lse_new = merge_states_torch(
-        torch.stack([o_acc, o.to(o_acc.dtype)]), torch.stack([lse_acc, lse.to(lse_acc.dtype)])
-    )
-    o_acc.copy_(o_new)
-    lse_acc.copy_(lse_new)
 
 
 def merge_states_group(

@@ -1,0 +1,272 @@
+"""Fast kernel launches: a compiled Triton kernel launched directly, from a per-signature cache.
+
+Triton 3.6's `kernel[grid](...)` binds and specialises every argument on every call (dtype and
+16-byte alignment of each pointer, range, `== 1` and `% 16` of each int, every constexpr, the
+options), builds a cache key string and launch metadata, and only then launches: 20-60 µs of
+host time per launch for the ~30 arguments of a decode kernel. An eager caller pays that on
+every call; a CUDA graph does not.
+
+A `Launch` is one kernel call whose arguments are fixed except a leading group of *dynamic*
+ones: data pointers, and ints the kernel does not specialise on (`do_not_specialize`). The
+wrappers in this package build a Launch once per input signature (shapes, strides, dtypes,
+flags: everything its fixed arguments are computed from), keep it in their own cache, and call
+it with the dynamic arguments only. The binary Triton would pick for a call is a function of the
+fixed arguments (held by the Launch) and of the dynamic arguments' specialisation (`spec_code`:
+each pointer's 16-byte alignment, each int's int32 / int64 / uint64 range); the Launch keeps one
+binary per spec_code, asks Triton for it on that key's first call (`JITFunction.run(...,
+warmup=True)` with pointer stand-ins: Triton's own rules decide, not a copy of them) and then
+launches it with the CUDA launcher Triton generated for it.
+
+Not covered, so the generic path runs instead (`fast_launch_active()` is False): the Triton
+interpreter, a registered launch hook (`triton.knobs.runtime.launch_enter_hook` /
+`launch_exit_hook`, e.g. a profiler) or pre-run hook, and `LONGCTX_FAST_LAUNCH=0` in the
+environment or inside `fast_launch(False)` (A/B timing, tests). Triton's `debug` and
+instrumentation knobs are read when a spec_code's binary is fetched, not per call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+from triton import knobs
+
+from longctx.backend import interpreter_active
+from longctx.kernels.utils import pdl_allowed
+
+__all__ = ["Launch", "fast_launch", "fast_launch_active", "current_device", "pdl_allowed",
+           "spec_code", "signature", "remember", "MAX_PLANS"]
+
+_INTERPRET = interpreter_active()
+_enabled = os.environ.get("LONGCTX_FAST_LAUNCH", "1") != "0"
+# Per-signature caches (the callers' plan caches) are cleared when they reach this many entries:
+# a bound on memory for callers whose shapes never repeat, far above any real working set.
+MAX_PLANS = 4096
+
+
+@contextlib.contextmanager
+def fast_launch(enabled: bool = True) -> Iterator[None]:
+    """Inside the block, launches take the fast path (True) or Triton's generic path (False)."""
+    global _enabled
+    prev, _enabled = _enabled, enabled
+    try:
+        yield
+    finally:
+        _enabled = prev
+
+
+def _hook_set(hook: object) -> bool:
+    # Triton 3.6 keeps hooks in a HookChain (`.calls`); older code may assign a callable.
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+def fast_launch_active() -> bool:
+    """Whether launches may bypass Triton's launch path now: enabled, compiled kernels (not the
+    interpreter), and no launch hook registered (a hook gets Triton's launch metadata, which only
+    the generic path builds)."""
+    rt = knobs.runtime
+    return _enabled and not _INTERPRET and not (
+        _hook_set(rt.launch_enter_hook) or _hook_set(rt.launch_exit_hook))
+
+
+def signature(x: object) -> object:
+    """What input checks and plans read of an argument, for plan-cache keys: a tensor's device
+    index, dtype, shape and strides; anything else's type (None, an int offset whose value is a
+    launch argument)."""
+    if isinstance(x, torch.Tensor):
+        return (x.get_device(), x.dtype, x.shape, x.stride())
+    return type(x)
+
+
+def remember(plans: dict, key: tuple, plan: object) -> None:
+    """plans[key] = plan, emptying `plans` first once it holds MAX_PLANS."""
+    if len(plans) >= MAX_PLANS:
+        plans.clear()
+    plans[key] = plan
+
+
+def current_device() -> int:
+    """Index of the current CUDA device: where Triton compiles and launches (it does not look at
+    the tensors' devices), so the device every plan cache is keyed by."""
+    return torch._C._cuda_getDevice()
+
+
+def _stream(device: int) -> int:
+    """The current CUDA stream of `device`, as Triton's launches take it."""
+    return torch._C._cuda_getCurrentRawStream(device)
+
+
+class _Pointer:
+    """A data pointer as Triton's specialisation sees a tensor: `data_ptr()` and `dtype`."""
+
+    __slots__ = ("ptr", "dtype")
+
+    def __init__(self, ptr: int, dtype: torch.dtype) -> None:
+        self.ptr, self.dtype = ptr, dtype
+
+    def data_ptr(self) -> int:
+        return self.ptr
+
+
+def _int_code(x: int) -> int:
+    """Triton's type of an unspecialised int argument: 0 int32, 1 int64, 2 uint64 (as
+    native_specialize_impl: by range; tests/test_fast_launch.py checks it against Triton)."""
+    if -(1 << 31) <= x < (1 << 31):
+        return 0
+    if -(1 << 63) <= x < (1 << 63):
+        return 1
+    if 0 <= x < (1 << 64):
+        return 2
+    raise ValueError(f"integer argument {x} does not fit in 64 bits")
+
+
+def spec_code(dyn: Sequence, dyn_dtypes: Sequence[torch.dtype | None]) -> int:
+    """The part of Triton's specialisation that varies between calls of one Launch, as an int:
+    2 bits per dynamic argument (pointer: 1 if not 16-byte aligned; int: `_int_code`). 0 when
+    every pointer is aligned and every int fits int32 (the common case)."""
+    code = 0
+    for i, (x, dt) in enumerate(zip(dyn, dyn_dtypes)):
+        c = (1 if x & 15 else 0) if dt is not None else _int_code(x)
+        code |= c << (2 * i)
+    return code
+
+
+def _direct_runner(ck, grid: tuple[int, int, int]) -> Callable[[int, tuple], None]:
+    """launch(stream, args) for compiled kernel `ck`: straight into the C launcher Triton built
+    for it where that is the CUDA launcher and the kernel needs no scratch memory (else through
+    the launcher object, which allocates the scratch as in Triton's own launches)."""
+    launcher = ck.run  # first access loads the module into the current device's context
+    g0, g1, g2 = grid
+    try:
+        from triton.backends.nvidia.driver import CudaLauncher
+    except ImportError:  # another backend: its launcher object, called as Triton calls it
+        CudaLauncher = None
+    if (CudaLauncher is not None and type(launcher) is CudaLauncher
+            and not launcher.global_scratch_size and not launcher.profile_scratch_size):
+        c_launch = launcher.launch
+        # The C launcher's leading arguments: grid, stream, function, cooperative-grid and PDL
+        # flags, the two scratch pointers, packed metadata, launch metadata, enter/exit hooks.
+        mid = (ck.function, launcher.launch_cooperative_grid, launcher.launch_pdl, None, None,
+               ck.packed_metadata, None, None, None)
+
+        def run(stream: int, args: tuple) -> None:
+            c_launch(g0, g1, g2, stream, *mid, *args)
+    else:
+        mid = (ck.function, ck.packed_metadata, None, None, None)
+
+        def run(stream: int, args: tuple) -> None:
+            launcher(g0, g1, g2, stream, *mid, *args)
+    run.binary = ck  # for tests: the CompiledKernel this launches
+    return run
+
+
+_signatures: dict = {}
+
+
+def _signature(fn) -> tuple[inspect.Signature, tuple[str, ...], frozenset[str]]:
+    """(signature, parameter names, names in do_not_specialize) of a @triton.jit kernel, compiled
+    (JITFunction) or interpreted (InterpretedFunction); cached per kernel."""
+    info = _signatures.get(fn)
+    if info is None:
+        sig = inspect.signature(fn.fn)
+        names = tuple(sig.parameters)
+        if hasattr(fn, "params"):  # JITFunction
+            dns = frozenset(p.name for p in fn.params if p.do_not_specialize)
+        else:  # the interpreter keeps @triton.jit's keyword arguments
+            given = getattr(fn, "kwargs", {}).get("do_not_specialize") or ()
+            dns = frozenset(names[x] if isinstance(x, int) else x for x in given)
+        info = _signatures[fn] = (sig, names, dns)
+    return info
+
+
+def triton_binary(stand_ins: tuple, launch: "Launch") -> Callable[[int, tuple], None] | None:
+    """The launcher of the binary Triton picks for these arguments (compiled on first use), or
+    None where Triton declines (a jit_cache_hook that skips compilation)."""
+    ck = launch.fn.run(*stand_ins, *launch.tail, grid=launch.grid, warmup=True, **launch.kwargs)
+    if ck is not None and hasattr(ck, "result"):  # Triton's async compile mode
+        ck = ck.result()
+    return None if ck is None else _direct_runner(ck, launch.grid)
+
+
+# How a Launch gets the launcher of a binary; tests replace it (tests/test_fast_launch.py).
+_fetch_binary = triton_binary
+
+
+class Launch:
+    """One kernel call with fixed arguments, launched fast (`__call__`) or generically (`generic`).
+
+    Args:
+        fn: the @triton.jit kernel.
+        grid: its launch grid (1 to 3 ints).
+        dyn_dtypes: one entry per leading dynamic argument: the pointee dtype for a pointer (a
+            tensor on the generic path, its data_ptr() on the fast path), None for an int, which
+            the kernel must list in do_not_specialize.
+        tail: the positional arguments after the dynamic ones.
+        kwargs: constexprs by name and launch options (num_warps, num_stages, launch_pdl, ...).
+    """
+
+    __slots__ = ("fn", "grid", "dyn_dtypes", "tail", "kwargs", "_suffix", "_binaries",
+                 "_has_ints")
+
+    def __init__(self, fn, grid: Sequence[int], dyn_dtypes: Sequence[torch.dtype | None],
+                 tail: Sequence, kwargs: dict) -> None:
+        self.fn, self.dyn_dtypes, self.tail, self.kwargs = fn, tuple(dyn_dtypes), tuple(tail), kwargs
+        self.grid = tuple(grid) + (1,) * (3 - len(grid))
+        _, names, unspecialized = _signature(fn)
+        for name, dt in zip(names, self.dyn_dtypes):
+            if dt is None and name not in unspecialized:
+                raise ValueError(f"dynamic int argument {name} of {fn} must be in "
+                                 "do_not_specialize (its value would select the binary)")
+        self._suffix: tuple | None = None
+        self._binaries: dict[int, Callable[[int, tuple], None] | None] = {}
+        self._has_ints = None in self.dyn_dtypes
+
+    @property
+    def suffix(self) -> tuple:
+        """Every argument after the dynamic ones, in the kernel's parameter order, defaults
+        included: what Triton passes its launcher (constexprs too; the launcher skips them)."""
+        if self._suffix is None:
+            sig, names, _ = _signature(self.fn)
+            bound = sig.bind(*([None] * len(self.dyn_dtypes)), *self.tail,
+                             **{k: v for k, v in self.kwargs.items() if k in sig.parameters})
+            bound.apply_defaults()
+            self._suffix = tuple(bound.arguments[p] for p in names[len(self.dyn_dtypes):])
+        return self._suffix
+
+    def generic(self, *dyn) -> None:
+        """Launch through Triton's `kernel[grid](...)` (dynamic pointers given as tensors, or
+        as ints wrapped in stand-ins by `__call__`)."""
+        self.fn[self.grid](*dyn, *self.tail, **self.kwargs)
+
+    def stand_ins(self, dyn: tuple) -> tuple:
+        """The dynamic arguments as Triton's specialisation sees tensors (pointers wrapped)."""
+        return tuple(x if dt is None else _Pointer(x, dt) for x, dt in zip(dyn, self.dyn_dtypes))
+
+    def spec_code(self, dyn: tuple) -> int:
+        """`spec_code` of these dynamic arguments; the common case (every pointer aligned, every
+        int within int32) returns 0 without building the code."""
+        if self._has_ints:
+            for x, dt in zip(dyn, self.dyn_dtypes):
+                if (x & 15) if dt is not None else not -2147483648 <= x <= 2147483647:
+                    return spec_code(dyn, self.dyn_dtypes)
+        else:
+            for x in dyn:
+                if x & 15:
+                    return spec_code(dyn, self.dyn_dtypes)
+        return 0
+
+    def __call__(self, dyn: tuple, device: int) -> None:
+        """Launch on the current stream of CUDA device `device` (the current device), dynamic
+        pointers given as ints (data_ptr()), ints as ints."""
+        code = self.spec_code(dyn)
+        try:
+            run = self._binaries[code]
+        except KeyError:
+            run = self._binaries[code] = _fetch_binary(self.stand_ins(dyn), self)
+        if run is None or self.fn.pre_run_hooks:  # Triton runs pre-run hooks: its path, then
+            self.generic(*self.stand_ins(dyn))
+            return
+        run(_stream(device), dyn + self.suffix)
