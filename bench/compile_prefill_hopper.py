@@ -108,7 +108,8 @@ def variants() -> list[dict]:
         v["name"] = (f"{'bf16' if v['dtype'] == torch.bfloat16 else 'fp16'} D={v['D']} "
                      f"{'causal' if v['causal'] else 'full'} {'acc' if v['acc'] else 'out'} "
                      f"{'varlen' if v['varlen'] else 'B=' + str(v['B'])} {v['Hq']}/{v['Hkv']} "
-                     f"Sq={v['Sq']} Sk={v['Sk']}{' q/k_start[B]' if v['offsets'] == 'tensor' else ''}"
+                     f"Sq={v['Sq']} Sk={v['Sk']}"
+                     f"{' q/k_start[B]' if v['offsets'] == 'tensor' else ''}"
                      f"{' lse+1' if v['lse_offset'] else ''}{'' if v['dispatch'] else ' (direct)'}")
     return out
 
@@ -219,6 +220,36 @@ def partitions(sass: str) -> list[dict]:
     return [r for r in regions if r["n"]]
 
 
+def round_loops(sass: str) -> list[tuple[int, int]]:
+    """(instructions, PRMTs) of each innermost SASS loop that issues wgmmas and exp2s: the
+    consumers' round loops (per round S = Q K^T, O += P V, the softmax; both softmax branches
+    counted). Its length is the hot loop's cost in instructions; PRMTs there are register
+    shuffles of P (ptxas adds 32 per round where two loops carry P, kernels/prefill_hopper.py)."""
+    ins, labels, pending = [], {}, []
+    for line in sass.splitlines():
+        m = re.match(r"^\s*\.(L_x_\d+):", line)
+        if m:
+            pending.append(m.group(1))
+            continue
+        m = re.search(r"/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;", line)
+        if m:
+            labels.update({p: len(ins) for p in pending})
+            pending = []
+            ins.append(m.group(1))
+    spans = []
+    for i, text in enumerate(ins):
+        m = re.search(r"BRA\s.*`\(\.(L_x_\d+)\)", text)
+        if m and labels.get(m.group(1), i + 1) < i:
+            spans.append((labels[m.group(1)], i))
+    out = []
+    for a, e in spans:
+        inner = any(a <= a2 and e2 <= e and (a2, e2) != (a, e) for a2, e2 in spans)
+        body = ins[a:e + 1]
+        if not inner and any("HGMMA" in x for x in body) and any("MUFU.EX2" in x for x in body):
+            out.append((len(body), sum("PRMT" in x for x in body)))
+    return out
+
+
 def compile_variant(v: dict, sass_dir: str | None) -> dict:
     signature, constexprs, attrs, options = specialise(v)
     src = GluonASTSource(H._attn_fwd_hopper_kernel, signature, constexprs, attrs)
@@ -238,7 +269,8 @@ def compile_variant(v: dict, sass_dir: str | None) -> dict:
                 c75=sorted(set(re.findall(r"\((C75\d\d)\)", "\n".join(warnings)))),
                 setmaxnreg=setmaxnreg, shared=kernel.metadata.shared,
                 consumers=[(r["setmaxnreg"], r["max_reg"]) for r in consumers],
-                producers=[(r["setmaxnreg"], r["max_reg"]) for r in producers])
+                producers=[(r["setmaxnreg"], r["max_reg"]) for r in producers],
+                loops=round_loops(sass))
 
 
 def key(v: dict) -> str:
@@ -263,6 +295,11 @@ def verdict(v: dict, r: dict) -> list[str]:
         if limit is None or used >= limit:
             bad.append(f"R{used} over setmaxnreg {limit}")
     return bad
+
+
+def fmt_loops(loops: list[tuple[int, int]]) -> str:
+    """'904 904' (instructions of each consumer's round loop), '+32p' where it has PRMTs."""
+    return " ".join(f"{n}" + (f"+{p}p" if p else "") for n, p in loops) or "-"
 
 
 def fmt(parts: list[tuple[int, int]]) -> str:
@@ -294,7 +331,7 @@ def main() -> int:
                            pool.map(compile_variant, unique, [args.sass] * len(unique))))
     failed = 0
     print(f"{'#':>3} {'launch':<68} {'regs':>4} {'spill B':>7} {'smem B':>7}  "
-          f"{'consumers (max reg/limit)':<26} {'producer':<9} verdict")
+          f"{'consumers (max reg/limit)':<26} {'producer':<9} {'round loops':<12} verdict")
     for i, v in enumerate(vs):
         if v["same_as"] != i:
             print(f"{i:>3} {v['name']:<68} same kernel as #{v['same_as']}")
@@ -304,7 +341,7 @@ def main() -> int:
         failed += bool(bad) and v["dispatch"]
         print(f"{i:>3} {v['name']:<68} {r['regs']:>4} {'/'.join(map(str, r['spills'])):>7} "
               f"{r['shared']:>7}  {fmt(r['consumers']):<26} {fmt(r['producers']):<9} "
-              f"{', '.join(bad) or 'ok'}")
+              f"{fmt_loops(r['loops']):<12} {', '.join(bad) or 'ok'}")
         for w in r["warnings"]:
             print(f"     ptxas: {w}")
     smn = sorted({tuple(map(tuple, results[id(v)]["setmaxnreg"])) for v in unique})

@@ -283,21 +283,23 @@ def _producer(q_desc, k_desc, v_desc, Q, K, V, q_smem, k_smem, v_smem, bars, CU_
         CU_Q, CU_K, Q_START, K_START, SEQLEN_Q, SEQLEN_K, MAX_SEQLEN_Q, H_Q, BLOCK_M, BLOCK_N,
         CAUSAL, VARLEN, Q_START_IS_TENSOR, K_START_IS_TENSOR)
     if n_tiles > 0:
-        kvh = h // GROUP
+        # device mode: each descriptor is made right before its first load, so that making the
+        # next one overlaps the loads already issued
         qd, q_row, q_col = _rows_source(q_desc, Q, b, h, q_seq0, seqlen_q, SEQLEN_Q, stride_qb,
                                         stride_qs, stride_qh, BLOCK_M // 2, HEAD_DIM, Q_LAYOUT,
                                         DEVICE_DESC)
-        kd, kv_row, kv_col = _rows_source(k_desc, K, b, kvh, k_seq0, seqlen_k, SEQLEN_K,
-                                          stride_kb, stride_ks, stride_kh, BLOCK_N, HEAD_DIM,
-                                          KV_LAYOUT, DEVICE_DESC)
-        vd, kv_row, kv_col = _rows_source(v_desc, V, b, kvh, k_seq0, seqlen_k, SEQLEN_K,
-                                          stride_vb, stride_vs, stride_vh, BLOCK_N, HEAD_DIM,
-                                          KV_LAYOUT, DEVICE_DESC)
         for wg in gl.static_range(2):
             mbarrier.expect(q_bars.index(wg), qd.block_type.nbytes)
             tma.async_copy_global_to_shared(qd, [q_row + m0 + wg * (BLOCK_M // 2), q_col],
                                             q_bars.index(wg), q_smem.index(wg))
+        kvh = h // GROUP
+        kd, kv_row, kv_col = _rows_source(k_desc, K, b, kvh, k_seq0, seqlen_k, SEQLEN_K,
+                                          stride_kb, stride_ks, stride_kh, BLOCK_N, HEAD_DIM,
+                                          KV_LAYOUT, DEVICE_DESC)
         _load_tile(kd, k_smem, k_full, k_empty, 0, kv_row, kv_col, BLOCK_N, NUM_STAGES)
+        vd, kv_row, kv_col = _rows_source(v_desc, V, b, kvh, k_seq0, seqlen_k, SEQLEN_K,
+                                          stride_vb, stride_vs, stride_vh, BLOCK_N, HEAD_DIM,
+                                          KV_LAYOUT, DEVICE_DESC)
         for t in range(n_tiles - 1):
             _load_tile(kd, k_smem, k_full, k_empty, t + 1, kv_row, kv_col, BLOCK_N, NUM_STAGES)
             _load_tile(vd, v_smem, v_full, v_empty, t, kv_row, kv_col, BLOCK_N, NUM_STAGES)
@@ -334,6 +336,12 @@ def _consumer(q_smem, k_smem, v_smem, bars, o_desc, O, LSE, CU_Q, CU_K, Q_START,
     acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
     q = q_smem.index(WG)
     row0 = m0 + WG * ROWS  # this warpgroup's first row in the sequence
+    if not ACCUMULATE:
+        # device mode: made here, while the producer's first loads are in flight (a sequence
+        # with no rows gets a 1-row descriptor that is never used)
+        od, o_row, o_col = _rows_source(o_desc, O, b, h, q_seq0, gl.maximum(seqlen_q, 1),
+                                        SEQLEN_Q, stride_ob, stride_os, stride_oh, ROWS, HEAD_DIM,
+                                        Q_LAYOUT, DEVICE_DESC)
 
     if n_tiles > 0:
         s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
@@ -382,9 +390,6 @@ def _consumer(q_smem, k_smem, v_smem, bars, o_desc, O, LSE, CU_Q, CU_K, Q_START,
             l_ptrs = (LSE + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
                       + (q_seq0 + rows).to(gl.int64) * stride_ls)
             gl.store(l_ptrs, lse, mask=rows < seqlen_q)
-            od, o_row, o_col = _rows_source(o_desc, O, b, h, q_seq0, seqlen_q, SEQLEN_Q,
-                                            stride_ob, stride_os, stride_oh, ROWS, HEAD_DIM,
-                                            Q_LAYOUT, DEVICE_DESC)
             # O through this warpgroup's Q half (its S GEMMs have all retired) and a TMA store;
             # rows past the sequence's end are dropped by the descriptor's bounds
             q.store(acc.to(dtype))

@@ -39,7 +39,7 @@ def _key_tiles(m0, seqlen_q, seqlen_k, delta, CAUSAL: tl.constexpr, BLOCK_M: tl.
     real row (varlen: a sequence shorter than the grid's) or its rows see no key."""
     rows_end = tl.minimum(m0 + BLOCK_M, seqlen_q)  # exclusive: the tile's real rows
     if CAUSAL:
-        # last row (rows_end - 1) sees keys j <= rows_end - 1 + delta; the first row, j <= m0 + delta
+        # the last real row sees keys j <= rows_end - 1 + delta, the first j <= m0 + delta
         hi = tl.minimum(tl.maximum(rows_end + delta, 0), seqlen_k)
         full = tl.minimum(tl.maximum(m0 + 1 + delta, 0), seqlen_k)
     else:
