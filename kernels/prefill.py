@@ -510,11 +510,14 @@ def _hopper_module() -> ModuleType | None:
 
 
 def _hopper_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                 cu_seqlens_q: torch.Tensor | None, config_given: bool) -> ModuleType | None:
-    """The Hopper kernel's module if this call runs it, else None."""
-    if not q.is_cuda or _INTERPRET or _prefill_kernel_choice() == "triton":
-        return None
+                 cu_seqlens_q: torch.Tensor | None, max_seqlen_q: int | None,
+                 config_given: bool) -> ModuleType | None:
+    """The Hopper kernel's module if this call runs it, else None (varlen without max_seqlen_q:
+    the Triton path reports it)."""
     varlen = cu_seqlens_q is not None
+    if (not q.is_cuda or _INTERPRET or _prefill_kernel_choice() == "triton"
+            or (varlen and max_seqlen_q is None)):
+        return None
     applies = hopper_kernel_applies(
         dtypes=(q.dtype, k.dtype, v.dtype), shapes=(q.shape, k.shape, v.shape),
         strides=(q.stride(), k.stride(), v.stride()),
@@ -575,10 +578,8 @@ def flash_attention_fwd(
         if is_varlen:
             raise ValueError("accumulate is for dense inputs only")
         check_accumulator(*accumulate, q)  # float32 for every q dtype the kernels take
-    hopper = _hopper_path(q, k, v, causal, cu_seqlens_q, _config is not None)
+    hopper = _hopper_path(q, k, v, causal, cu_seqlens_q, max_seqlen_q, _config is not None)
     if hopper is not None:
-        if is_varlen and max_seqlen_q is None:
-            raise ValueError("varlen needs max_seqlen_q and max_seqlen_k (sizes the grid)")
         return hopper.hopper_attention_fwd(
             q, k, v, softmax_scale=softmax_scale, causal=bool(causal), q_start=q_start,
             k_start=k_start, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,

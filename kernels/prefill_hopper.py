@@ -73,6 +73,8 @@ warpgroups and with the producer's TMA. Ping-pong scheduling and 3 ring slots me
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -483,11 +485,17 @@ def descriptor_mode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, varlen: b
     return "device"
 
 
+@functools.lru_cache(maxsize=None)
+def _smem_layout(rows: int, head_dim: int, dtype: torch.dtype) -> gl.NVMMASharedLayout:
+    """The shared-memory layout of a [rows, head_dim] tile (TMA box and wgmma operand)."""
+    return gl.NVMMASharedLayout.get_default_for([rows, head_dim], _GL_DTYPE[dtype])
+
+
 def _rows_desc(x: torch.Tensor, block_rows: int) -> TensorDescriptor:
     """TMA descriptor over x [B, S, H, D] as the 2-D [B * S, H * D] (row stride: x's seq stride)."""
     b, s, h, d = x.shape
-    layout = gl.NVMMASharedLayout.get_default_for([block_rows, d], _GL_DTYPE[x.dtype])
-    return TensorDescriptor(x, [b * s, h * d], [x.stride(1), 1], [block_rows, d], layout)
+    return TensorDescriptor(x, [b * s, h * d], [x.stride(1), 1], [block_rows, d],
+                            _smem_layout(block_rows, d, x.dtype))
 
 
 def launch_args(
@@ -510,7 +518,13 @@ def launch_args(
     launches with given tensors get. q_start / k_start: ints or [B] int32/int64 tensors on
     q's device (causal only; without causal they are ignored)."""
     varlen = cu_seqlens_q is not None
-    mode = mode or descriptor_mode(q, k, v, varlen)
+    if varlen and (cu_seqlens_k is None or max_seqlen_q is None):
+        raise ValueError("varlen needs cu_seqlens_k and max_seqlen_q (it sizes the grid)")
+    exact = descriptor_mode(q, k, v, varlen)
+    if mode not in (None, "host", "device") or (mode == "host" and exact != "host"):
+        raise ValueError(f"mode must be None, 'device' or, where the host descriptors are exact "
+                         f"for this call, 'host'; got {mode!r}")
+    mode = mode or exact
     if varlen:
         cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
         total_q, hq, d = q.shape
@@ -542,8 +556,7 @@ def launch_args(
         o_strides = o.stride()[:3]
     bn = block_n(d)
     host = mode == "host"
-    q_layout = gl.NVMMASharedLayout.get_default_for([WG_ROWS, d], _GL_DTYPE[q.dtype])
-    kv_layout = gl.NVMMASharedLayout.get_default_for([bn, d], _GL_DTYPE[q.dtype])
+    q_layout, kv_layout = _smem_layout(WG_ROWS, d, q.dtype), _smem_layout(bn, d, q.dtype)
     descs = ((_rows_desc(q, WG_ROWS), _rows_desc(k, bn), _rows_desc(v, bn),
               _rows_desc(o, WG_ROWS) if accumulate is None else None) if host
              else (None, None, None, None))
