@@ -26,14 +26,17 @@ P = 0); query rows past seqlen_q compute on zero rows and are never stored.
 One program (CTA) = BLOCK_M = 128 query rows of one (sequence, q head). Dense: the query tiles
 of one head are adjacent in the grid (they stream the same K/V through the L2), walked backwards
 for causal (longest first). Varlen: the heads and sequences of one query tile are adjacent, the
-last query tiles first (the longest programs of a causal batch first; tiles past a short
-sequence's end exit at once). `gl.warp_specialize` splits the CTA into three partitions (12
+last query tiles first (the longest programs of a causal batch first; a tile past a short
+sequence's end loads and stores nothing, but still costs a CTA launch: the grid is sized by the
+longest sequence). `gl.warp_specialize` splits the CTA into three partitions (12
 warps):
 
   * consumer 0 (the default partition) and consumer 1 (a worker), 4 warps each: query rows
-    64 * WG .. 64 * WG + 63 of the tile, wgmma M = 64, setmaxnreg 240;
-  * producer (a 1-warp worker, setmaxnreg 24): TMA loads of the two Q halves, then K_0 and,
-    per tile t, K_{t+1} and V_t into 2-slot rings (tile t in slot t % 2).
+    64 * WG .. 64 * WG + 63 of the tile, wgmma M = 64, setmaxnreg 240 (consumer 0: 232 with
+    device-side descriptors, the rest of the register file);
+  * producer (a 1-warp worker, setmaxnreg 24, 32 with device-side descriptors): TMA loads of
+    the two Q halves, then K_0 and, per tile t, K_{t+1} and V_t into 2-slot rings (tile t in
+    slot t % 2).
 
 A program visits key tiles [0, n_tiles); tiles [0, n_full) are visible to every real row of the
 tile, [n_full, n_tiles) are masked per row (`prefill_tiles._key_tiles`: the causal band with any
@@ -58,7 +61,8 @@ In the loop a uniform branch picks the softmax: without any mask arithmetic for 
 n_full, masked for the last ones (usually one: the diagonal, or the ragged key tail). One loop
 with the branch, not an unmasked loop followed by a masked one: with two loops carrying P,
 ptxas adds 32 PRMTs (swapping the halves of every P register) to each round of both (the
-unmasked round then runs 486 instructions instead of 453; with the branch ~459).
+unmasked round then runs 486 instructions instead of the former unmasked kernel's 453; with the
+branch 459; the former causal kernel's round, peeled diagonal after its loop, ran 485).
 
 Tiles: BLOCK_N = 128 keys for head_dim 64 and 128; 64 for head_dim 256 (shared memory: Q
 128 x 256 and two slots each of K and V, 192 KiB; the fp32 O accumulator is 64 x 256 per
