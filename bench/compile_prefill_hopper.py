@@ -3,12 +3,14 @@
     python bench/compile_prefill_hopper.py [--sass DIR] [-j JOBS] [-k TEXT]
 
 No GPU needed. For every kernel variant the dispatch (`hopper_kernel_applies`) can launch --
-bf16 / fp16, causal or not, output or accumulate (the ring's fused merge), one key tile or many,
+bf16 / fp16, head_dim 64 / 128 / 256, causal or not, output or accumulate (the ring's fused
+merge), host descriptors (B == 1 at any length, or lengths multiples of the tiles) or
+device-side ones (B > 1 with ragged lengths, varlen), causal offsets as ints or [B] tensors,
 GQA group 1 / 3 / 8 / 16 with query-head counts 1, 12, 16, 32, 64 -- it builds the launch
 arguments with the launcher's own `launch_args` on CPU tensors and lets Triton's own binder
 specialise them for an sm_90 target (integers equal to 1 become constants, multiples of 16 and
-16-byte aligned pointers get divisibility hints), so each compiled kernel is the one such a
-launch gets. Prints per kernel:
+16-byte aligned pointers get divisibility hints; lengths and offsets are not specialised), so
+each compiled kernel is the one such a launch gets. Prints per kernel:
 
   * ptxas -v (Triton's flags): registers (for a warp-specialized kernel the kernel-wide
     .maxnreg, 168 at 12 warps; the partitions run under their setmaxnreg limits) and spills;
@@ -18,8 +20,8 @@ launch gets. Prints per kernel:
 
 Exit status 1 if a kernel the dispatch can launch spills, gets a ptxas warning (C75xx: wgmma
 serialization), has no setmaxnreg, or a partition whose registers exceed its limit. ptxas reacts
-to small source changes (bench/experiments/gluon_fa_hopper_ws/NOTES.md): run this after every
-edit of the kernel. About a minute on 2 cores.
+to small source changes (bench/experiments/gluon_fa_hopper_ws/NOTES.md at commit 1c9b5b5): run this after every
+edit of the kernel. A few minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -50,65 +52,108 @@ HEADS = [(16, 2), (32, 32), (12, 4), (64, 4), (1, 1)]  # group 8, 1, 3, 16; Hq 1
 
 
 # --------------------------------------------------------------------------- variants
+def _variant(**kw) -> dict:
+    v = dict(dtype=torch.bfloat16, causal=False, acc=False, B=1, Sq=8192, Sk=8192, Hq=16, Hkv=2,
+             D=128, varlen=False, offsets="int", lse_offset=0, dispatch=True)
+    v.update(kw)
+    return v
+
+
 def variants() -> list[dict]:
-    """Representative launches: dict(name, dtype, causal, acc, B, Sq, Sk, Hq, Hkv, lse_offset,
-    dispatch). lse_offset: lse_acc starts that many floats into its buffer (1: not 16-byte
-    aligned, as a slice of a ring's accumulator could be). dispatch=False: reachable only by
-    calling hopper_attention_fwd directly (causal with one key tile: the dispatch keeps causal
-    calls below 2048 rows on the Triton kernel). Unmasked launches get enough query rows for the
-    dispatch's 512 programs (the lengths are not compile-time values: only their divisibility
-    by 16 is). One-tile launches (Sk == 128) compile to the same kernel as longer ones (no
-    compile-time one-tile path)."""
+    """Representative launches: dict(dtype, causal, acc, B, Sq, Sk, Hq, Hkv, D, varlen, offsets
+    ("int" / "tensor"), lse_offset, dispatch). Varlen: B sequences of Sq query / Sk key rows
+    each. lse_offset: lse_acc starts that many floats into its buffer (1: not 16-byte aligned,
+    as a slice of a ring's accumulator could be). dispatch=False: reachable only by calling
+    hopper_attention_fwd directly. Lengths and offsets are not compile-time values (the kernel
+    does not specialise them): a ragged length compiles to the same kernel as a multiple of 128
+    in the same descriptor mode."""
     out = []
     for dtype in (torch.bfloat16, torch.float16):
+        # head_dim 128, host descriptors (B = 1: any length), every GQA shape
         for hq, hkv in HEADS:
             rows = 128 * max(8, -(-512 // hq))  # >= 512 programs of 128 query rows
             for causal, sq, sk in ((False, rows, 1024), (False, rows, 128), (True, 8192, 8192)):
                 for acc in (False, True):
-                    out.append(dict(dtype=dtype, causal=causal, acc=acc, B=1, Sq=sq, Sk=sk,
-                                    Hq=hq, Hkv=hkv, lse_offset=0, dispatch=True))
-    out.append(dict(out[0], Sk=384))                           # another Sk: same kernel
-    out.append(dict(out[1], B=2))                              # batch 2: same kernel
-    out.append(dict(out[1], lse_offset=1))                     # unaligned lse_acc
+                    out.append(_variant(dtype=dtype, causal=causal, acc=acc, Sq=sq, Sk=sk, Hq=hq,
+                                        Hkv=hkv))
+        # every head_dim: host and device descriptors, varlen, tensor offsets
+        for d in (128, 64, 256):
+            for causal in (False, True):
+                for acc in (False, True):
+                    if d != 128:
+                        out.append(_variant(dtype=dtype, causal=causal, acc=acc, D=d,
+                                            Sq=12000, Sk=12000))
+                    out.append(_variant(dtype=dtype, causal=causal, acc=acc, D=d, B=2, Sq=4000,
+                                        Sk=4000))
+                out.append(_variant(dtype=dtype, causal=causal, D=d, varlen=True, B=3, Sq=3000,
+                                    Sk=3000))
+            out.append(_variant(dtype=dtype, causal=True, D=d, offsets="tensor", Sq=4000,
+                                Sk=5000))
+            out.append(_variant(dtype=dtype, causal=True, D=d, offsets="tensor", B=2, Sq=4000,
+                                Sk=5000))
+            out.append(_variant(dtype=dtype, causal=True, D=d, offsets="tensor", varlen=True,
+                                B=3, Sq=3000, Sk=3000))
+    base = out[0]
+    out.append(dict(base, Sk=384))                                   # another Sk: same kernel
+    out.append(dict(base, Sq=12000, Sk=12001))                       # ragged lengths, B = 1
+    out.append(dict(out[1], B=2))                                    # batch 2: same kernel
+    out.append(dict(out[1], lse_offset=1))                           # unaligned lse_acc
+    out.append(_variant(causal=True, Sq=3000, Sk=9000))              # chunked prefill's last chunk
+    out.append(_variant(causal=True, Sq=12000, Sk=12000, Hq=24, Hkv=8))  # the issue's shape
     for dtype in (torch.bfloat16, torch.float16):
         for acc in (False, True):
-            out.append(dict(dtype=dtype, causal=True, acc=acc, B=1, Sq=128, Sk=128, Hq=16, Hkv=2,
-                            lse_offset=0, dispatch=False))
+            out.append(_variant(dtype=dtype, causal=True, acc=acc, Sq=128, Sk=128, dispatch=False))
+    out.append(_variant(causal=True, Sq=127, Sk=1, dispatch=False))  # below the dispatch's rows
     for v in out:
-        v["name"] = (f"{'bf16' if v['dtype'] == torch.bfloat16 else 'fp16'} "
+        v["name"] = (f"{'bf16' if v['dtype'] == torch.bfloat16 else 'fp16'} D={v['D']} "
                      f"{'causal' if v['causal'] else 'full'} {'acc' if v['acc'] else 'out'} "
-                     f"B={v['B']} {v['Hq']}/{v['Hkv']} Sq={v['Sq']} Sk={v['Sk']}"
+                     f"{'varlen' if v['varlen'] else 'B=' + str(v['B'])} {v['Hq']}/{v['Hkv']} "
+                     f"Sq={v['Sq']} Sk={v['Sk']}"
+                     f"{' q/k_start[B]' if v['offsets'] == 'tensor' else ''}"
                      f"{' lse+1' if v['lse_offset'] else ''}{'' if v['dispatch'] else ' (direct)'}")
     return out
 
 
 def tensors(v: dict):
-    """CPU tensors of the variant's shapes (never touched: only shapes, strides, pointers)."""
-    b, sq, sk, hq, hkv = v["B"], v["Sq"], v["Sk"], v["Hq"], v["Hkv"]
-    q = torch.empty(b, sq, hq, 128, dtype=v["dtype"])
-    k = torch.empty(b, sk, hkv, 128, dtype=v["dtype"])
+    """CPU tensors of the variant's shapes (never touched: only shapes, strides, pointers) and the
+    launch's keyword arguments (offsets, cu_seqlens)."""
+    b, sq, sk, hq, hkv, d = v["B"], v["Sq"], v["Sk"], v["Hq"], v["Hkv"], v["D"]
+    kw = dict(q_start=0, k_start=0)
+    if v["varlen"]:
+        q = torch.empty(b * sq, hq, d, dtype=v["dtype"])
+        k = torch.empty(b * sk, hkv, d, dtype=v["dtype"])
+        kw.update(cu_seqlens_q=torch.arange(b + 1, dtype=torch.int32) * sq,
+                  cu_seqlens_k=torch.arange(b + 1, dtype=torch.int32) * sk, max_seqlen_q=sq)
+    else:
+        q = torch.empty(b, sq, hq, d, dtype=v["dtype"])
+        k = torch.empty(b, sk, hkv, d, dtype=v["dtype"])
+    if v["offsets"] == "tensor":
+        kw.update(q_start=torch.full((b,), sk - sq, dtype=torch.int32),
+                  k_start=torch.zeros(b, dtype=torch.int64))
+    elif v["causal"]:
+        kw.update(q_start=sk - sq)
     acc = None
     if v["acc"]:
         lse_buf = torch.empty(b * sq * hq + v["lse_offset"])
-        acc = (torch.empty(b, sq, hq, 128), lse_buf[v["lse_offset"]:].view(b, sq, hq))
-    return q, k, torch.empty_like(k), acc
+        acc = (torch.empty(b, sq, hq, d), lse_buf[v["lse_offset"]:].view(b, sq, hq))
+    return q, k, torch.empty_like(k), acc, kw
 
 
 def dispatch_accepts(v: dict) -> bool:
-    q, k, val, acc = tensors(v)
+    q, k, val, _, kw = tensors(v)
     return hopper_kernel_applies(
         dtypes=(q.dtype, k.dtype, val.dtype), shapes=(q.shape, k.shape, val.shape),
         strides=(q.stride(), k.stride(), val.stride()),
         data_ptrs=(q.data_ptr(), k.data_ptr(), val.data_ptr()), capability=(9, 0),
-        causal=v["causal"], q_start=0, k_start=0, varlen=False, config_given=False,
-        accumulate_strides=None if acc is None else (acc[0].stride(), acc[1].stride()))
+        causal=v["causal"], varlen=v["varlen"], config_given=False,
+        num_seqs=v["B"] if v["varlen"] else None)
 
 
 # --------------------------------------------------------------------------- compile
 def specialise(v: dict):
     """(signature, constexprs, attrs, options) that a launch with the variant's tensors gets."""
-    q, k, val, acc = tensors(v)
-    _, args, meta, _ = H.launch_args(q, k, val, 128 ** -0.5, v["causal"], acc)
+    q, k, val, acc, kw = tensors(v)
+    _, args, meta, _ = H.launch_args(q, k, val, v["D"] ** -0.5, v["causal"], acc, **kw)
     fn = H._attn_fwd_hopper_kernel
     backend = make_backend(TARGET)
     binder = create_function_from_signature(fn.signature, fn.params, backend)
@@ -175,6 +220,36 @@ def partitions(sass: str) -> list[dict]:
     return [r for r in regions if r["n"]]
 
 
+def round_loops(sass: str) -> list[tuple[int, int]]:
+    """(instructions, PRMTs) of each innermost SASS loop that issues wgmmas and exp2s: the
+    consumers' round loops (per round S = Q K^T, O += P V, the softmax; both softmax branches
+    counted). Its length is the hot loop's cost in instructions; PRMTs there are register
+    shuffles of P (ptxas adds 32 per round where two loops carry P, kernels/prefill_hopper.py)."""
+    ins, labels, pending = [], {}, []
+    for line in sass.splitlines():
+        m = re.match(r"^\s*\.(L_x_\d+):", line)
+        if m:
+            pending.append(m.group(1))
+            continue
+        m = re.search(r"/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;", line)
+        if m:
+            labels.update({p: len(ins) for p in pending})
+            pending = []
+            ins.append(m.group(1))
+    spans = []
+    for i, text in enumerate(ins):
+        m = re.search(r"BRA\s.*`\(\.(L_x_\d+)\)", text)
+        if m and labels.get(m.group(1), i + 1) < i:
+            spans.append((labels[m.group(1)], i))
+    out = []
+    for a, e in spans:
+        inner = any(a <= a2 and e2 <= e and (a2, e2) != (a, e) for a2, e2 in spans)
+        body = ins[a:e + 1]
+        if not inner and any("HGMMA" in x for x in body) and any("MUFU.EX2" in x for x in body):
+            out.append((len(body), sum("PRMT" in x for x in body)))
+    return out
+
+
 def compile_variant(v: dict, sass_dir: str | None) -> dict:
     signature, constexprs, attrs, options = specialise(v)
     src = GluonASTSource(H._attn_fwd_hopper_kernel, signature, constexprs, attrs)
@@ -194,7 +269,8 @@ def compile_variant(v: dict, sass_dir: str | None) -> dict:
                 c75=sorted(set(re.findall(r"\((C75\d\d)\)", "\n".join(warnings)))),
                 setmaxnreg=setmaxnreg, shared=kernel.metadata.shared,
                 consumers=[(r["setmaxnreg"], r["max_reg"]) for r in consumers],
-                producers=[(r["setmaxnreg"], r["max_reg"]) for r in producers])
+                producers=[(r["setmaxnreg"], r["max_reg"]) for r in producers],
+                loops=round_loops(sass))
 
 
 def key(v: dict) -> str:
@@ -219,6 +295,11 @@ def verdict(v: dict, r: dict) -> list[str]:
         if limit is None or used >= limit:
             bad.append(f"R{used} over setmaxnreg {limit}")
     return bad
+
+
+def fmt_loops(loops: list[tuple[int, int]]) -> str:
+    """'904 904' (instructions of each consumer's round loop), '+32p' where it has PRMTs."""
+    return " ".join(f"{n}" + (f"+{p}p" if p else "") for n, p in loops) or "-"
 
 
 def fmt(parts: list[tuple[int, int]]) -> str:
@@ -249,18 +330,18 @@ def main() -> int:
         results = dict(zip((id(v) for v in unique),
                            pool.map(compile_variant, unique, [args.sass] * len(unique))))
     failed = 0
-    print(f"{'#':>2} {'launch':<52} {'regs':>4} {'spill B':>7} {'smem B':>7}  "
-          f"{'consumers (max reg/limit)':<26} {'producer':<9} verdict")
+    print(f"{'#':>3} {'launch':<68} {'regs':>4} {'spill B':>7} {'smem B':>7}  "
+          f"{'consumers (max reg/limit)':<26} {'producer':<9} {'round loops':<12} verdict")
     for i, v in enumerate(vs):
         if v["same_as"] != i:
-            print(f"{i:>2} {v['name']:<52} same kernel as #{v['same_as']}")
+            print(f"{i:>3} {v['name']:<68} same kernel as #{v['same_as']}")
             continue
         r = results[id(v)]
         bad = verdict(v, r)
         failed += bool(bad) and v["dispatch"]
-        print(f"{i:>2} {v['name']:<52} {r['regs']:>4} {'/'.join(map(str, r['spills'])):>7} "
+        print(f"{i:>3} {v['name']:<68} {r['regs']:>4} {'/'.join(map(str, r['spills'])):>7} "
               f"{r['shared']:>7}  {fmt(r['consumers']):<26} {fmt(r['producers']):<9} "
-              f"{', '.join(bad) or 'ok'}")
+              f"{fmt_loops(r['loops']):<12} {', '.join(bad) or 'ok'}")
         for w in r["warnings"]:
             print(f"     ptxas: {w}")
     smn = sorted({tuple(map(tuple, results[id(v)]["setmaxnreg"])) for v in unique})

@@ -23,7 +23,7 @@ Per implementation and shape, µs per call:
          with the launch cost removed. Median over 7 repetitions.
 The targets of issue 20 are checked in the last columns: longctx decode host <= 20 µs, eager
 within 10% of graph where graph > host, longctx attention host <= SDPA cuDNN host.
-Writes host-time[-tag].json to $OUT if set, else bench/results/; prints the table last.
+Writes host-time[-tag].json to $OUT if set, else bench/results/raw/ (untracked); prints the table last.
 """
 
 from __future__ import annotations
@@ -374,7 +374,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.stub:
         result = {"stub_breakdown_us": stub_breakdown((1, 65536))}
-        out_dir = Path(os.environ.get("OUT") or ROOT / "bench" / "results")
+        out_dir = Path(os.environ.get("OUT") or ROOT / "bench" / "results" / "raw")
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / f"host-time-stub{'-' + args.tag if args.tag else ''}.json").write_text(
             json.dumps(result, indent=1))
@@ -395,7 +395,7 @@ def main() -> None:
     result = {"device": device, "commit": code_commit(), "torch": torch.__version__,
               "triton": triton.__version__, "date": datetime.now(timezone.utc).isoformat(),
               "calls": args.calls, "rows": rows}
-    out_dir = Path(os.environ.get("OUT") or ROOT / "bench" / "results")
+    out_dir = Path(os.environ.get("OUT") or ROOT / "bench" / "results" / "raw")
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"host-time{'-' + args.tag if args.tag else ''}.json"
     path.write_text(json.dumps(result, indent=1))

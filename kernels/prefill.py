@@ -25,14 +25,13 @@ Hopper path
 -----------
 On sm_90 GPUs `flash_attention_fwd` hands the calls that `hopper_kernel_applies` accepts to a
 warp-specialized Gluon kernel (kernels/prefill_hopper.py, imported on first use: a TMA
-producer warp and two consumer warpgroups on mbarrier rings, in FA3's order): bf16 / fp16,
-head_dim 128, dense, Sq and Sk multiples of 128, no mask or the plain causal diagonal (Sq ==
-Sk, equal int offsets), with or without the fused merge, where it measured faster than the
-Triton kernel on an H100: causal from 2048 query rows, unmasked from 512 programs (B * Hq *
-Sq / 128; the Triton kernel runs two programs per SM, the Gluon kernel one). Everything
-else, and every call with ``LONGCTX_PREFILL_KERNEL=triton`` in the environment (for A/B runs),
-runs the Triton kernel below; so do calls under the interpreter, with ``_config``, and on other
-GPUs.
+producer warp and two consumer warpgroups on mbarrier rings, in FA3's order), same contract:
+bf16 / fp16, head_dim 64 / 128 / 256, dense or varlen, any lengths and causal offsets, with or
+without the fused merge, where it measured faster than the Triton kernel on an H100 (causal
+from 2048 query rows, unmasked from 512 programs of 128 query rows; the Triton kernel runs two
+programs per SM, the Gluon kernel one). Everything else, and every call with
+``LONGCTX_PREFILL_KERNEL=triton`` in the environment (for A/B runs), runs the Triton kernel
+below; so do calls under the interpreter, with ``_config``, and on other GPUs.
 """
 
 from __future__ import annotations
@@ -387,6 +386,16 @@ def _check_offset_arg(x: int | torch.Tensor, batch: int, device: torch.device, n
             raise ValueError(f"{name} must be on {device}, got {x.device}")
 
 
+def _offset_arg(x: int | torch.Tensor, batch: int, device: torch.device, name: str
+                ) -> tuple[int | torch.Tensor, bool]:
+    """A checked start offset as a kernel takes it: (python int, False) or (contiguous [batch]
+    int tensor, True); a 0-dim tensor is broadcast on the device (no host sync)."""
+    _check_offset_arg(x, batch, device, name)
+    if isinstance(x, torch.Tensor):
+        return (x.reshape(1).expand(batch) if x.dim() == 0 else x).contiguous(), True
+    return int(x), False
+
+
 def _alloc_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
@@ -398,12 +407,18 @@ def _set_allocator() -> None:
 # --------------------------------------------------------------------------- #
 # Hopper path (kernels/prefill_hopper.py)
 # --------------------------------------------------------------------------- #
-# Where the Gluon kernel measured faster than the Triton kernel on an H100 (bf16, 16/2 and 32/32
-# heads, 1024-8192 rows; bench/results/prefill-short-h100.txt): causal from 2048 query rows
+# Where the Gluon kernel measured faster than the Triton kernel on an H100 (bf16, D=128, 16/2 and
+# 32/32 heads, 1024-8192 rows; bench/results/prefill-short-h100.txt): causal from 2048 query rows
 # (16/2 2048: 318 vs 244 TFLOPS; 32/32 1024: 171 vs 190), unmasked from 512 programs of 128 query
-# rows (32/32 2048: 594 vs 436; 16/2 2048, 256 programs: 382 vs 444).
+# rows (32/32 2048: 594 vs 436; 16/2 2048, 256 programs: 382 vs 444). Applied alike to ragged
+# lengths, causal offsets (rows: Sq), varlen batches (rows: the mean sequence, total_q / B;
+# programs: Hq * total_q / 128, the fewest that hold every row) and head_dim 64 / 256: not
+# measured there yet (bench/prefill_short.py measures them).
 _CAUSAL_MIN_SEQLEN_Q = 2048
 _MIN_PROGRAMS = 512
+# head_dims the dispatch sends to the Gluon kernel (its HEAD_DIMS: 64, 128, 256); 64 and 256 are
+# expected faster than the Triton kernel, to be confirmed by bench/check_prefill_hopper.py.
+_HOPPER_HEAD_DIMS = (64, 128, 256)
 _PREFILL_KERNEL_ENV = "LONGCTX_PREFILL_KERNEL"
 
 
@@ -411,11 +426,21 @@ def _tma_rows(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int, d
               ) -> bool:
     """Whether x [B, S, H, D] is the 2-D TMA tensor [B * S, H * D] with row stride x's seq stride:
     unit head_dim stride, head stride D, rows that do not overlap, batch stride S * seq stride
-    (or B == 1), 16-byte aligned base and row stride."""
+    (or B == 1), 16-byte aligned base and row stride. (The Hopper kernel's host descriptors.)"""
     b, s, h, d = shape
     sb, ss, sh, sd = strides
     return (sd == 1 and sh == d and ss >= h * d and (b == 1 or sb == s * ss)
             and ss * itemsize % 16 == 0 and data_ptr % 16 == 0)
+
+
+def _tma_seqs(strides: tuple[int, ...], head_dim: int, itemsize: int, data_ptr: int) -> bool:
+    """Whether every (sequence, head) [S, D] slice of x ([B, S, H, D] or varlen [T, H, D], given
+    by its strides) is a 2-D TMA tensor: unit head_dim stride, rows that do not overlap, and a
+    16-byte aligned base and row stride for every batch, sequence start and head. (The Hopper
+    kernel's device-side descriptors.)"""
+    *outer, ss, sh, sd = strides
+    return (sd == 1 and ss >= head_dim and data_ptr % 16 == 0
+            and all(x * itemsize % 16 == 0 for x in (*outer, ss, sh)))
 
 
 def hopper_kernel_applies(
@@ -426,48 +451,48 @@ def hopper_kernel_applies(
     data_ptrs: tuple[int, int, int],
     capability: tuple[int, int] | None,
     causal: bool,
-    q_start: int | torch.Tensor,
-    k_start: int | torch.Tensor,
     varlen: bool,
     config_given: bool,
-    accumulate_strides: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
+    num_seqs: int | None = None,
 ) -> bool:
     """Whether a `flash_attention_fwd` call runs the Gluon Hopper kernel (kernels/prefill_hopper.py).
 
-    dtypes, shapes, strides, data_ptrs: of q, k, v; capability: the CUDA device's (None off
-    CUDA); accumulate_strides: (o_acc's, lse_acc's) strides when merging into a running state.
+    dtypes, shapes, strides, data_ptrs: of q, k, v (dense [B, S, H, D]; varlen [T, H, D]);
+    capability: the CUDA device's (None off CUDA); num_seqs: varlen's B (cu_seqlens_q.numel() - 1).
     Pure (no device queries), so that the rule is testable on a CPU. The caller also requires
     CUDA tensors, no Triton interpreter and LONGCTX_PREFILL_KERNEL != "triton".
 
-    True for: capability (9, 0); no ``_config``; dense; bf16 / fp16; head_dim 128; Sq and Sk
-    multiples of 128; q, k, v whose (batch, seq) rows form a 2-D TMA tensor (`_tma_rows`);
-    without a mask any Sq, Sk; causal only as the plain diagonal (Sq == Sk and q_start ==
-    k_start as python ints) from 2048 query rows, without a mask from 512 programs (B * Hq *
-    Sq / 128) (measured rules); an accumulator whose rows are addressed the same way (batch
-    stride Sq * seq stride, or B == 1).
+    True for: capability (9, 0); no ``_config``; bf16 / fp16; head_dim in _HOPPER_HEAD_DIMS;
+    dense or varlen, any lengths (none zero), any causal offsets (ints or [B] tensors), with or
+    without the fused merge; q, k, v whose rows TMA can address: dense as the 2-D [B * S, H * D]
+    (`_tma_rows`) or, like varlen, per (sequence, head) (`_tma_seqs`); enough work (measured
+    rules, above): causal from 2048 query rows (varlen: total_q / B), without a mask from 512
+    programs (B * Hq * cdiv(Sq, 128); varlen Hq * cdiv(total_q, 128)).
     """
     q_shape, k_shape, _ = shapes
-    if capability != (9, 0) or config_given or varlen:
+    if capability != (9, 0) or config_given:
         return False
     if dtypes[0] not in (torch.bfloat16, torch.float16) or len(set(dtypes)) != 1:
         return False
-    batch, sq, hq, d = q_shape
-    sk = k_shape[1]
-    if d != 128 or 0 in (*q_shape, *k_shape) or sq % 128 or sk % 128:
+    if len(q_shape) != (3 if varlen else 4) or 0 in (*q_shape, *k_shape):
+        return False
+    hq, d = q_shape[-2:]
+    if d not in _HOPPER_HEAD_DIMS:
         return False
     itemsize = dtypes[0].itemsize
-    if not all(_tma_rows(sh, st, itemsize, p) for sh, st, p in zip(shapes, strides, data_ptrs)):
-        return False
-    if causal:
-        ints = all(isinstance(x, int) for x in (q_start, k_start))
-        if not (ints and q_start == k_start and sq == sk and sq >= _CAUSAL_MIN_SEQLEN_Q):
+    if varlen or not all(_tma_rows(sh, st, itemsize, p)
+                         for sh, st, p in zip(shapes, strides, data_ptrs)):
+        if not all(_tma_seqs(st, d, itemsize, p) for st, p in zip(strides, data_ptrs)):
             return False
-    elif batch * hq * (sq // 128) < _MIN_PROGRAMS:
-        return False
-    if accumulate_strides is not None and batch > 1:
-        (sob, sos, *_), (slb, sls, _) = accumulate_strides
-        return sob == sq * sos and slb == sq * sls
-    return True
+    if varlen:
+        if not num_seqs:
+            return False
+        rows, programs = q_shape[0] / num_seqs, hq * -(-q_shape[0] // 128)
+    else:
+        rows, programs = q_shape[1], q_shape[0] * hq * -(-q_shape[1] // 128)
+    if causal:
+        return rows >= _CAUSAL_MIN_SEQLEN_Q
+    return programs >= _MIN_PROGRAMS
 
 
 def _prefill_kernel_choice() -> str:
@@ -484,27 +509,29 @@ def _hopper_module() -> ModuleType | None:
     """kernels/prefill_hopper.py, imported on first use only (it needs Gluon, which has no
     interpreter); None where this Triton cannot import it."""
     try:
-        from longctx.kernels import prefill_hopper
+        import triton.experimental.gluon  # noqa: F401
     except ImportError:
         return None
+    # Not guarded: an error in the module itself must not fall back silently to the Triton kernel.
+    from longctx.kernels import prefill_hopper
     return prefill_hopper
 
 
 def _hopper_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                 q_start: int | torch.Tensor, k_start: int | torch.Tensor, varlen: bool,
-                 accumulate: tuple[torch.Tensor, torch.Tensor] | None,
+                 cu_seqlens_q: torch.Tensor | None, max_seqlen_q: int | None,
                  config_given: bool) -> ModuleType | None:
-    """The Hopper kernel's module if this call runs it, else None."""
-    if not q.is_cuda or _INTERPRET or _prefill_kernel_choice() == "triton":
+    """The Hopper kernel's module if this call runs it, else None (varlen without max_seqlen_q:
+    the Triton path reports it)."""
+    varlen = cu_seqlens_q is not None
+    if (not q.is_cuda or _INTERPRET or _prefill_kernel_choice() == "triton"
+            or (varlen and max_seqlen_q is None)):
         return None
     applies = hopper_kernel_applies(
         dtypes=(q.dtype, k.dtype, v.dtype), shapes=(q.shape, k.shape, v.shape),
         strides=(q.stride(), k.stride(), v.stride()),
         data_ptrs=(q.data_ptr(), k.data_ptr(), v.data_ptr()),
-        capability=device_capability(q.device),
-        causal=bool(causal), q_start=q_start, k_start=k_start, varlen=varlen,
-        config_given=config_given,
-        accumulate_strides=None if accumulate is None else tuple(t.stride() for t in accumulate))
+        capability=device_capability(q.device), causal=bool(causal), varlen=varlen,
+        config_given=config_given, num_seqs=cu_seqlens_q.numel() - 1 if varlen else None)
     return _hopper_module() if applies else None
 
 
@@ -596,7 +623,7 @@ class PrefillPlan:
     """
 
     __slots__ = ("o_shape", "lse_shape", "dtype", "empty", "offset_copy", "cu_copy", "launch",
-                 "softmax_scale", "causal", "is_varlen", "config_given")
+                 "softmax_scale", "causal", "is_varlen", "config_given", "max_seqlen_q")
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: float,
                  causal: bool, q_start: int | torch.Tensor, k_start: int | torch.Tensor,
@@ -609,6 +636,7 @@ class PrefillPlan:
         self.launch = None
         self.softmax_scale, self.causal, self.is_varlen = softmax_scale, causal, is_varlen
         self.config_given = config is not None
+        self.max_seqlen_q = max_seqlen_q  # varlen: sizes the Hopper kernel's grid too
         if is_varlen:
             batch = cu_seqlens_q.numel() - 1
             total_q, hq, d = q.shape
@@ -686,12 +714,13 @@ class PrefillPlan:
                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(o, lse), or None when merging into `accumulate`. device: the current CUDA device
         for a fast launch, None for Triton's path."""
-        hopper = _hopper_path(q, k, v, self.causal, q_start, k_start, self.is_varlen, accumulate,
+        hopper = _hopper_path(q, k, v, self.causal, cu_seqlens_q, self.max_seqlen_q,
                               self.config_given)
         if hopper is not None:
-            return hopper.hopper_attention_fwd(q, k, v, softmax_scale=self.softmax_scale,
-                                               causal=bool(self.causal), q_start=q_start,
-                                               k_start=k_start, accumulate=accumulate)
+            return hopper.hopper_attention_fwd(
+                q, k, v, softmax_scale=self.softmax_scale, causal=bool(self.causal),
+                q_start=q_start, k_start=k_start, cu_seqlens_q=cu_seqlens_q,
+                cu_seqlens_k=cu_seqlens_k, max_seqlen_q=self.max_seqlen_q, accumulate=accumulate)
         if accumulate is None:
             o = torch.empty(self.o_shape, dtype=self.dtype, device=q.device)
             lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)

@@ -1,30 +1,50 @@
 """Hopper (sm_90) prefill attention forward in Gluon: warp-specialized (FA3-style), no ping-pong.
 
 The fast path of `longctx.kernels.prefill.flash_attention_fwd` on sm_90 GPUs, for the calls that
-`hopper_kernel_applies` accepts there; same output contract as its dense path. Import it only on
-a CUDA machine (flash_attention_fwd does so lazily): Gluon has no interpreter.
+`hopper_kernel_applies` accepts there; same contract as the Triton kernel (any lengths, causal
+offsets q_start / k_start as ints or [B] tensors, varlen batches, empty rows -> O = 0 and
+LSE = -inf). Import it only on a CUDA machine (flash_attention_fwd does so lazily): Gluon has no
+interpreter. The masking rule (key-tile bounds, masked softmax step) is kernels/prefill_tiles.py,
+Triton functions that the tests also run under the interpreter.
 
-Covers: bf16 / fp16, head_dim 128, dense q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] with Sq and Sk
-positive multiples of 128, any GQA group (Hq % Hkv == 0), no mask or the plain causal diagonal
-(Sq == Sk, q_start == k_start), optionally merging into a running (O, LSE) state (the ring's
-fused merge). Every (batch, seq) row of q, k, v is one row of a 2-D TMA descriptor
-[B * S, H * D]: unit head_dim stride, head stride D, batch stride S * seq stride (or B == 1),
-16-byte aligned base and seq stride. The running state's rows are addressed the same way
-(batch stride Sq * seq stride, or B == 1). Rows never come out empty here (every query sees at
-least key 0), so the empty-row case of the contract (O = 0, LSE = -inf) does not arise.
+Covers: bf16 / fp16, head_dim 64, 128 or 256, dense q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] or
+varlen q [total_q, Hq, D], k/v [total_k, Hkv, D] with cu_seqlens, any GQA group, optionally
+merging into a running (O, LSE) state (the ring's fused merge, dense only).
 
-One program (CTA) = 128 query rows of one (batch, q head); the query tiles of one head are
-adjacent in the grid (they stream the same K/V through the L2); causal runs walk them backwards
-(longest first). `gl.warp_specialize` splits the CTA into three partitions (12 warps):
+Tiles move by TMA, through one of two kinds of descriptors (`descriptor_mode`):
+  * host: 2-D descriptors [B * S, H * D] made on the host, one row per (batch, seq) row (needs
+    the heads of a row adjacent, `prefill._tma_rows`). Exact wherever no tile straddles two
+    sequences: B == 1 (TMA zero-fills the rows past S on loads and drops them on stores) or Sq
+    and Sk multiples of the tiles. Nothing is made on the device.
+  * device: per program, a descriptor [seqlen, D] over one (sequence, head) made on the device
+    (`tma.make_tensor_descriptor`, 128 bytes of global scratch each, the producer's Q / K / V
+    and each consumer's O): rows past the sequence's end are zero on loads and dropped on
+    stores, whatever follows in memory. Varlen and B > 1 with ragged lengths.
+Key columns past seqlen_k are masked to -inf in the scores (their zero-filled V rows then meet
+P = 0); query rows past seqlen_q compute on zero rows and are never stored.
+
+One program (CTA) = BLOCK_M = 128 query rows of one (sequence, q head). Dense: the query tiles
+of one head are adjacent in the grid (they stream the same K/V through the L2), walked backwards
+for causal (longest first). Varlen: the heads and sequences of one query tile are adjacent, the
+last query tiles first (the longest programs of a causal batch first; a tile past a short
+sequence's end loads and stores nothing, but still costs a CTA launch: the grid is sized by the
+longest sequence). `gl.warp_specialize` splits the CTA into three partitions (12
+warps):
 
   * consumer 0 (the default partition) and consumer 1 (a worker), 4 warps each: query rows
-    64 * WG .. 64 * WG + 63 of the tile, wgmma M = 64, setmaxnreg 240;
-  * producer (a 1-warp worker, setmaxnreg 24): TMA loads of the two Q halves, then K_0 and,
-    per tile t, K_{t+1} and V_t into 2-slot rings (tile t in slot t % 2).
+    64 * WG .. 64 * WG + 63 of the tile, wgmma M = 64, setmaxnreg 240 (consumer 0: 232 with
+    device-side descriptors, the rest of the register file);
+  * producer (a 1-warp worker, setmaxnreg 24, 32 with device-side descriptors): TMA loads of
+    the two Q halves, then K_0 and, per tile t, K_{t+1} and V_t into 2-slot rings (tile t in
+    slot t % 2).
 
-A program visits key tiles 0 .. n_tiles - 1: Sk / 128 without a mask, m + 1 for causal query
-tile m. Producer and consumers derive n_tiles from the program id with the same helper
-(`_tile_coords`), so the producer loads exactly the tiles the consumers wait for.
+A program visits key tiles [0, n_tiles); tiles [0, n_full) are visible to every real row of the
+tile, [n_full, n_tiles) are masked per row (`prefill_tiles._key_tiles`: the causal band with any
+offset delta = q_start - k_start, which may span 2 or 3 key tiles, and the ragged end of the
+keys). Producer and consumers derive the tiles from the program id with the same helper, so the
+producer loads exactly the tiles the consumers wait for; a program with no tile (rows that see
+no key, or past a varlen sequence's end) loads nothing and writes O = 0, LSE = -inf for its
+rows.
 
 mbarriers: q_bars[WG] (producer -> consumer WG: its Q half landed; parity 0);
 k_full / v_full[slot] (producer -> consumers: slot filled, expect-tx; tile t waits parity
@@ -36,20 +56,28 @@ loading tile t, so the first two loads of each ring pass at once). An mbarrier.a
 Consumer order per tile (FA3's, S_0 softmaxed before the loop):
     wait K_{j+1}; issue S_{j+1} = Q K_{j+1}^T; O *= alpha_j; wait V_j; issue O += P_j V_j;
     wait(1) (S_{j+1} done); release K_{j+1}; softmax(S_{j+1}) -> P_{j+1}; wait(0); release V_j
-then the last O += P_{n-1} V_{n-1}. Causal: only the last visited tile (the diagonal) is masked
-(key c of it visible to row r = 64 * WG + i iff c <= r): the loop runs the unmasked tiles and the
-round that softmaxes the diagonal tile is peeled after it; query tile 0 (n_tiles == 1) has the
-diagonal as S_0, which is therefore masked with a runtime offset that keeps every key of the
-other query tiles. With Sk == 128 the loop runs zero trips (no special compile-time path).
+then the last O += P_{n-1} V_{n-1}. S_0 always takes the masked softmax (one tile per program).
+In the loop a uniform branch picks the softmax: without any mask arithmetic for the tiles below
+n_full, masked for the last ones (usually one: the diagonal, or the ragged key tail). One loop
+with the branch, not an unmasked loop followed by a masked one: with two loops carrying P,
+ptxas adds 32 PRMTs (swapping the halves of every P register) to each round of both (the
+unmasked round then runs 486 instructions instead of the former unmasked kernel's 453; with the
+branch 459; the former causal kernel's round, peeled diagonal after its loop, ran 485).
+
+Tiles: BLOCK_N = 128 keys for head_dim 64 and 128; 64 for head_dim 256 (shared memory: Q
+128 x 256 and two slots each of K and V, 192 KiB; the fp32 O accumulator is 64 x 256 per
+warpgroup, 128 registers a thread).
 
 What ptxas does (bench/compile_prefill_hopper.py checks every dispatchable variant): no spills,
 no C75xx wgmma-serialization warnings, consumers within their 240 registers. The softmax exp2s
 of a warpgroup do NOT run under its own P V wgmma (ptxas retires it before them, see
-bench/experiments/gluon_fa_hopper_ws/NOTES.md): the overlap is between the two consumer
+bench/experiments/gluon_fa_hopper_ws/NOTES.md at commit 1c9b5b5): the overlap is between the two consumer
 warpgroups and with the producer's TMA. Ping-pong scheduling and 3 ring slots measured slower.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from triton.experimental import gluon
@@ -64,44 +92,106 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from longctx.kernels.merge import _rescale, _state_lse
+from longctx.kernels.prefill import _offset_arg, _set_allocator, _tma_rows
+from longctx.kernels.prefill_tiles import (
+    DELTA_LIMIT,
+    _clamp_delta,
+    _key_tiles,
+    _row_key_limit,
+    _row_lse,
+    _softmax_step,
+    _softmax_step_masked,
+)
 
-__all__ = ["hopper_attention_fwd"]
+__all__ = ["hopper_attention_fwd", "HEAD_DIMS"]
 
 _LOG2E = 1.4426950408889634
 BLOCK_M = 128       # query rows per program
 WG_ROWS = 64        # query rows per consumer warpgroup
-BLOCK_N = 128       # keys per tile
-HEAD_DIM = 128
+HEAD_DIMS = (64, 128, 256)
 NUM_STAGES = 2      # K / V ring slots
 NUM_WARPS = 4       # the default partition (consumer 0); the workers add 4 + 1 (padded to 4)
 CONSUMER_REGS = 240
 PRODUCER_REGS = 24
+# the producer that makes its descriptors on the device: 24 registers spill there (D=256 varlen,
+# once per program); 2 x 128 x 240 + 128 x 32 is the whole register file
+PRODUCER_REGS_DEVICE_DESC = 32
 _GL_DTYPE = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+
+
+def block_n(head_dim: int) -> int:
+    """Keys per tile: 128, or 64 for head_dim 256 (shared memory, see the module docstring)."""
+    return 64 if head_dim > 128 else 128
 
 
 # --------------------------------------------------------------------------- #
 # Gluon kernel: helpers
 # --------------------------------------------------------------------------- #
 @gluon.jit
-def _tile_coords(SEQLEN_Q, SEQLEN_K, H_Q, GROUP, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr):
-    """program -> (bh, m0, q_row, q_col, kv_row, kv_col, n_tiles). The query tiles of one
-    (batch, head) are adjacent; causal: longest first. Producer and consumers both call this:
-    n_tiles is the number of key tiles both sides go through."""
+def _program(CU_Q, CU_K, Q_START, K_START, SEQLEN_Q, SEQLEN_K, MAX_SEQLEN_Q, H_Q,
+             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr,
+             VARLEN: gl.constexpr, Q_START_IS_TENSOR: gl.constexpr,
+             K_START_IS_TENSOR: gl.constexpr):
+    """program -> (b, h, m0, seqlen_q, seqlen_k, q_seq0, k_seq0, delta, n_full, n_tiles): batch
+    (sequence) and query head, the tile's first row in its sequence, the sequence's lengths and
+    first rows (varlen; 0 when dense), delta = q_start - k_start and the key tiles
+    (`_key_tiles`). Producer and consumers both call this."""
     pid = gl.program_id(0)
-    num_m = SEQLEN_Q // BLOCK_M
-    bh = pid // num_m
-    m_tile = pid % num_m
-    if CAUSAL:
-        m_tile = num_m - 1 - m_tile
-        n_tiles = m_tile + 1          # key tiles 0 .. m_tile, the last one the diagonal
+    num_m = gl.cdiv(MAX_SEQLEN_Q, BLOCK_M)
+    if VARLEN:
+        # the heads and sequences of one query tile side by side, the last query tile first
+        num_bh = gl.num_programs(0) // num_m
+        bh = pid % num_bh
+        m_tile = num_m - 1 - pid // num_bh
     else:
-        n_tiles = SEQLEN_K // BLOCK_N
+        bh = pid // num_m
+        m_tile = pid % num_m
+        if CAUSAL:
+            m_tile = num_m - 1 - m_tile
     b = bh // H_Q
     h = bh % H_Q
+    if VARLEN:
+        q_seq0 = gl.load(CU_Q + b)
+        seqlen_q = gl.load(CU_Q + b + 1) - q_seq0
+        k_seq0 = gl.load(CU_K + b)
+        seqlen_k = gl.load(CU_K + b + 1) - k_seq0
+    else:
+        q_seq0 = b * 0  # a tensor like the varlen case's (int64 address arithmetic)
+        seqlen_q = SEQLEN_Q
+        k_seq0 = b * 0
+        seqlen_k = SEQLEN_K
+    if CAUSAL:
+        if Q_START_IS_TENSOR:
+            q_start = gl.load(Q_START + b)
+        else:
+            q_start = Q_START
+        if K_START_IS_TENSOR:
+            k_start = gl.load(K_START + b)
+        else:
+            k_start = K_START
+        delta = _clamp_delta(q_start, k_start)
+    else:
+        delta = 0
     m0 = m_tile * BLOCK_M
-    return (bh, m0, b * SEQLEN_Q + m0, h * HEAD_DIM, b * SEQLEN_K, (h // GROUP) * HEAD_DIM,
-            n_tiles)
+    n_full, n_tiles = _key_tiles(m0, seqlen_q, seqlen_k, delta, CAUSAL, BLOCK_M, BLOCK_N)
+    return b, h, m0, seqlen_q, seqlen_k, q_seq0, k_seq0, delta, n_full, n_tiles
+
+
+@gluon.jit
+def _rows_source(desc, X, b, head, seq0, seqlen, seqlen_dense, stride_b, stride_s, stride_h,
+                 BLOCK_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, LAYOUT: gl.constexpr,
+                 DEVICE_DESC: gl.constexpr):
+    """(descriptor, row, column) of the sequence's row 0 of one head of X, in [BLOCK_ROWS,
+    HEAD_DIM] boxes: the host descriptor [B * S, H * D] (row b * S, column head * D) or one made
+    here over the (sequence, head) [seqlen, D] (row 0, column 0)."""
+    if DEVICE_DESC:
+        base = (X + b.to(gl.int64) * stride_b + seq0.to(gl.int64) * stride_s
+                + head.to(gl.int64) * stride_h)
+        d = tma.make_tensor_descriptor(base, [seqlen, HEAD_DIM], [stride_s, 1],
+                                       [BLOCK_ROWS, HEAD_DIM], LAYOUT)
+        return d, 0, 0
+    else:
+        return desc, b * seqlen_dense, head * HEAD_DIM
 
 
 @gluon.jit
@@ -116,38 +206,13 @@ def _load_tile(desc, smem, full, empty, t, row0, col, BLOCK_N: gl.constexpr,
 
 
 @gluon.jit
-def _softmax_step(s, m_i, l_i, qk_scale):
-    """Online softmax (base 2) of one unmasked score tile s (fp32, raw Q K^T): P, alpha, m, l."""
-    m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
-    p = gl.exp2(s * qk_scale - gl.expand_dims(m_new, 1))
-    alpha = gl.exp2(m_i - m_new)
-    l_i = l_i * alpha + gl.sum(p, axis=1)
-    return p, alpha, m_new, l_i
-
-
-@gluon.jit
-def _softmax_step_masked(s, delta, m_i, l_i, qk_scale, ROWS: gl.constexpr,
-                         BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
-    """_softmax_step with key column c of the tile visible to row r iff c <= r + delta
-    (delta >= 0: every row keeps column 0, so m stays finite and no -inf - (-inf) arises)."""
-    rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
-    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    keep = gl.expand_dims(cols, 0) <= gl.expand_dims(rows, 1) + delta
-    s = gl.where(keep, s * qk_scale, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, axis=1))
-    p = gl.exp2(s - gl.expand_dims(m_new, 1))
-    alpha = gl.exp2(m_i - m_new)
-    l_i = l_i * alpha + gl.sum(p, axis=1)
-    return p, alpha, m_new, l_i
-
-
-@gluon.jit
 def _round(j, q, p_op, acc, alpha, m_i, l_i, qk_scale, k_smem, v_smem, k_full, k_empty, v_full,
-           v_empty, s_zero, delta, NUM_STAGES: gl.constexpr, MASKED: gl.constexpr,
-           ROWS: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr,
-           o_layout: gl.constexpr, p_layout: gl.constexpr, dtype: gl.constexpr):
+           v_empty, s_zero, cols, row_lim, n_full, NUM_STAGES: gl.constexpr,
+           BLOCK_N: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
+           dtype: gl.constexpr):
     """FA3-order round j + 1: S_{j+1} = Q K_{j+1}^T and O = alpha_j O + P_j V_j on the tensor
-    cores, softmax of S_{j+1} (masked with `delta` if MASKED) -> P_{j+1}, alpha_{j+1}."""
+    cores, softmax of S_{j+1} (masked by the rows' key limits `row_lim` from key tile n_full on)
+    -> P_{j+1}, alpha_{j+1}."""
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     t = j + 1
     ks = t % NUM_STAGES
@@ -160,9 +225,9 @@ def _round(j, q, p_op, acc, alpha, m_i, l_i, qk_scale, k_smem, v_smem, k_full, k
     acc_tok = warpgroup_mma(p_op, v_smem.index(vs), acc, is_async=True)
     s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
     mbarrier.arrive(k_empty.index(ks), count=1)
-    if MASKED:
-        p, alpha, m_i, l_i = _softmax_step_masked(s, delta, m_i, l_i, qk_scale, ROWS, BLOCK_N,
-                                                  s_layout)
+    if t >= n_full:
+        p, alpha, m_i, l_i = _softmax_step_masked(s, cols, row_lim - t * BLOCK_N, m_i, l_i,
+                                                  qk_scale)
     else:
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
     acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, p_op))
@@ -172,28 +237,28 @@ def _round(j, q, p_op, acc, alpha, m_i, l_i, qk_scale, k_smem, v_smem, k_full, k
 
 
 @gluon.jit
-def _merge_into_state(o, lse, O_ACC, LSE_ACC, q_row, q_col,
-                      stride_os, stride_oh, stride_ls, stride_lh,
-                      ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, o_layout: gl.constexpr):
-    """Fold a warpgroup's state (o [ROWS, HEAD_DIM] normalised fp32, lse [ROWS] natural log)
-    into the running state O_ACC [B, Sq, Hq, D] / LSE_ACC [B, Sq, Hq] float32, in place.
+def _merge_into_state(o, lse, rows, O_ACC, LSE_ACC, b, h, seqlen_q, stride_ob, stride_os,
+                      stride_oh, stride_lb, stride_ls, stride_lh, HEAD_DIM: gl.constexpr,
+                      o_layout: gl.constexpr):
+    """Fold a warpgroup's state (o [ROWS, HEAD_DIM] normalised fp32, lse [ROWS] natural log, of
+    in-sequence query rows `rows`) into the running state O_ACC [B, Sq, Hq, D] / LSE_ACC
+    [B, Sq, Hq] float32 (strides given), in place; rows >= seqlen_q are left alone.
 
     kernels/prefill.py's ACCUMULATE epilogue: merge_into's rule through the merge layer's own
     `_rescale` / `_state_lse` (kernels/merge.py; Triton functions, callable from Gluon). Each
     (row, head) belongs to exactly one warpgroup of one program.
-    Rows are addressed like q's TMA rows, row q_row + r of [B * Sq] (batch stride Sq * seq
-    stride), head q_col / HEAD_DIM.
     """
-    rows = (q_row + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))).to(gl.int64)
+    row_ok = rows < seqlen_q
+    rows64 = rows.to(gl.int64)
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-    h64 = (q_col // HEAD_DIM).to(gl.int64)
-    l_ptrs = LSE_ACC + h64 * stride_lh + rows * stride_ls
-    o_ptrs = O_ACC + h64 * stride_oh + gl.expand_dims(rows * stride_os, 1) + gl.expand_dims(cols, 0)
-    lse_old = gl.load(l_ptrs)
+    l_ptrs = LSE_ACC + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh + rows64 * stride_ls
+    o_ptrs = (O_ACC + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
+              + gl.expand_dims(rows64 * stride_os, 1) + gl.expand_dims(cols, 0))
+    lse_old = gl.load(l_ptrs, mask=row_ok, other=float("-inf"))
     m = gl.maximum(lse_old, lse)
     w_old, w_new = _rescale(lse_old, m, lse)
     # an empty running state (w_old == 0) is never read: its O may be anything, NaN included
-    o_old = gl.load(o_ptrs, mask=gl.expand_dims(w_old > 0, 1), other=0.0)
+    o_old = gl.load(o_ptrs, mask=gl.expand_dims((w_old > 0) & row_ok, 1), other=0.0)
     s = w_old + w_new
     o = ((o_old * gl.expand_dims(w_old, 1) + o * gl.expand_dims(w_new, 1))
          / gl.expand_dims(gl.where(s > 0, s, 1.0), 1))
@@ -201,44 +266,69 @@ def _merge_into_state(o, lse, O_ACC, LSE_ACC, q_row, q_col,
     # threads, one of which stores it) before any overwrites it. Inside a partition this is a
     # named barrier over the partition's 128 threads.
     gl.thread_barrier()
-    gl.store(o_ptrs, o)
-    gl.store(l_ptrs, _state_lse(m, s))
+    gl.store(o_ptrs, o, mask=gl.expand_dims(row_ok, 1))
+    gl.store(l_ptrs, _state_lse(m, s), mask=row_ok)
 
 
 # --------------------------------------------------------------------------- #
 # Gluon kernel: partitions
 # --------------------------------------------------------------------------- #
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, SEQLEN_Q, SEQLEN_K, H_Q,
-              GROUP, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-              NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+def _producer(q_desc, k_desc, v_desc, Q, K, V, q_smem, k_smem, v_smem, bars, CU_Q, CU_K,
+              Q_START, K_START, stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
+              stride_vb, stride_vs, stride_vh, SEQLEN_Q, SEQLEN_K, MAX_SEQLEN_Q, H_Q, GROUP,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+              NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr,
+              DEVICE_DESC: gl.constexpr, Q_START_IS_TENSOR: gl.constexpr,
+              K_START_IS_TENSOR: gl.constexpr, Q_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr):
     """1 warp: Q halves, then K_0, (K_{t+1}, V_t) for t < n_tiles - 1, V_{n_tiles-1}: K runs
-    one tile ahead of V, as round j of the consumers needs K_{j+1} before V_j."""
+    one tile ahead of V, as round j of the consumers needs K_{j+1} before V_j. Nothing when the
+    program has no key tile."""
     q_bars, k_full, k_empty, v_full, v_empty = bars
-    bh, m0, q_row, q_col, kv_row, kv_col, n_tiles = _tile_coords(
-        SEQLEN_Q, SEQLEN_K, H_Q, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL)
-    for wg in gl.static_range(2):
-        mbarrier.expect(q_bars.index(wg), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [q_row + wg * (BLOCK_M // 2), q_col],
-                                        q_bars.index(wg), q_smem.index(wg))
-    _load_tile(k_desc, k_smem, k_full, k_empty, 0, kv_row, kv_col, BLOCK_N, NUM_STAGES)
-    for t in range(n_tiles - 1):
-        _load_tile(k_desc, k_smem, k_full, k_empty, t + 1, kv_row, kv_col, BLOCK_N, NUM_STAGES)
-        _load_tile(v_desc, v_smem, v_full, v_empty, t, kv_row, kv_col, BLOCK_N, NUM_STAGES)
-    _load_tile(v_desc, v_smem, v_full, v_empty, n_tiles - 1, kv_row, kv_col, BLOCK_N, NUM_STAGES)
+    b, h, m0, seqlen_q, seqlen_k, q_seq0, k_seq0, delta, n_full, n_tiles = _program(
+        CU_Q, CU_K, Q_START, K_START, SEQLEN_Q, SEQLEN_K, MAX_SEQLEN_Q, H_Q, BLOCK_M, BLOCK_N,
+        CAUSAL, VARLEN, Q_START_IS_TENSOR, K_START_IS_TENSOR)
+    if n_tiles > 0:
+        # device mode: each descriptor is made right before its first load, so that making the
+        # next one overlaps the loads already issued
+        qd, q_row, q_col = _rows_source(q_desc, Q, b, h, q_seq0, seqlen_q, SEQLEN_Q, stride_qb,
+                                        stride_qs, stride_qh, BLOCK_M // 2, HEAD_DIM, Q_LAYOUT,
+                                        DEVICE_DESC)
+        for wg in gl.static_range(2):
+            mbarrier.expect(q_bars.index(wg), qd.block_type.nbytes)
+            tma.async_copy_global_to_shared(qd, [q_row + m0 + wg * (BLOCK_M // 2), q_col],
+                                            q_bars.index(wg), q_smem.index(wg))
+        kvh = h // GROUP
+        kd, kv_row, kv_col = _rows_source(k_desc, K, b, kvh, k_seq0, seqlen_k, SEQLEN_K,
+                                          stride_kb, stride_ks, stride_kh, BLOCK_N, HEAD_DIM,
+                                          KV_LAYOUT, DEVICE_DESC)
+        _load_tile(kd, k_smem, k_full, k_empty, 0, kv_row, kv_col, BLOCK_N, NUM_STAGES)
+        vd, kv_row, kv_col = _rows_source(v_desc, V, b, kvh, k_seq0, seqlen_k, SEQLEN_K,
+                                          stride_vb, stride_vs, stride_vh, BLOCK_N, HEAD_DIM,
+                                          KV_LAYOUT, DEVICE_DESC)
+        for t in range(n_tiles - 1):
+            _load_tile(kd, k_smem, k_full, k_empty, t + 1, kv_row, kv_col, BLOCK_N, NUM_STAGES)
+            _load_tile(vd, v_smem, v_full, v_empty, t, kv_row, kv_col, BLOCK_N, NUM_STAGES)
+        _load_tile(vd, v_smem, v_full, v_empty, n_tiles - 1, kv_row, kv_col, BLOCK_N,
+                   NUM_STAGES)
 
 
 @gluon.jit
-def _consumer(q_smem, k_smem, v_smem, bars, o_desc, O_ACC, LSE, stride_os, stride_oh, stride_ls,
-              stride_lh, qk_scale, SEQLEN_Q, SEQLEN_K, H_Q, GROUP, WG: gl.constexpr,
+def _consumer(q_smem, k_smem, v_smem, bars, o_desc, O, LSE, CU_Q, CU_K, Q_START, K_START,
+              stride_ob, stride_os, stride_oh, stride_lb, stride_ls, stride_lh, qk_scale,
+              SEQLEN_Q, SEQLEN_K, MAX_SEQLEN_Q, H_Q, WG: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-              NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, ACCUMULATE: gl.constexpr):
+              NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr,
+              DEVICE_DESC: gl.constexpr, Q_START_IS_TENSOR: gl.constexpr,
+              K_START_IS_TENSOR: gl.constexpr, ACCUMULATE: gl.constexpr,
+              Q_LAYOUT: gl.constexpr):
     """One warpgroup: query rows WG * 64 .. WG * 64 + 63 of the program's tile."""
     ROWS: gl.constexpr = BLOCK_M // 2
     q_bars, k_full, k_empty, v_full, v_empty = bars
     dtype: gl.constexpr = q_smem.dtype
-    bh, m0, q_row, q_col, kv_row, kv_col, n_tiles = _tile_coords(
-        SEQLEN_Q, SEQLEN_K, H_Q, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL)
+    b, h, m0, seqlen_q, seqlen_k, q_seq0, k_seq0, delta, n_full, n_tiles = _program(
+        CU_Q, CU_K, Q_START, K_START, SEQLEN_Q, SEQLEN_K, MAX_SEQLEN_Q, H_Q, BLOCK_M, BLOCK_N,
+        CAUSAL, VARLEN, Q_START_IS_TENSOR, K_START_IS_TENSOR)
 
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -247,98 +337,106 @@ def _consumer(q_smem, k_smem, v_smem, bars, o_desc, O_ACC, LSE, stride_os, strid
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
     m_i = gl.full([ROWS], float("-inf"), gl.float32, row_s)
     l_i = gl.zeros([ROWS], gl.float32, row_s)
-    q = q_smem.index(WG)
-    mbarrier.wait(q_bars.index(WG), 0)
-
-    # ---- S_0 ----------------------------------------------------------------------------
-    mbarrier.wait(k_full.index(0), 0)
-    s_tok = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False,
-                          is_async=True)
-    s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
-    mbarrier.arrive(k_empty.index(0), count=1)
-    if CAUSAL:
-        # key tile 0 is the diagonal tile of query tile 0 only: delta = first row of this
-        # warpgroup, >= 128 (nothing masked) for every other query tile
-        p, alpha, m_i, l_i = _softmax_step_masked(s, m0 + WG * ROWS, m_i, l_i, qk_scale, ROWS,
-                                                  BLOCK_N, s_layout)
-    else:
-        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
-    p_op = gl.convert_layout(p.to(dtype), p_layout)
     acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
+    q = q_smem.index(WG)
+    row0 = m0 + WG * ROWS  # this warpgroup's first row in the sequence
+    if not ACCUMULATE:
+        # device mode: made here, while the producer's first loads are in flight (a sequence
+        # with no rows gets a 1-row descriptor that is never used)
+        od, o_row, o_col = _rows_source(o_desc, O, b, h, q_seq0, gl.maximum(seqlen_q, 1),
+                                        SEQLEN_Q, stride_ob, stride_os, stride_oh, ROWS, HEAD_DIM,
+                                        Q_LAYOUT, DEVICE_DESC)
 
-    # ---- rounds 1 .. n_tiles - 1 ----------------------------------------------------------
-    if CAUSAL:
-        # the unmasked tiles 1 .. n_tiles - 2, then the diagonal tile's round peeled
-        for j in range(0, n_tiles - 2):
-            acc, p_op, alpha, m_i, l_i = _round(
-                j, q, p_op, acc, alpha, m_i, l_i, qk_scale, k_smem, v_smem, k_full, k_empty,
-                v_full, v_empty, s_zero, 0, NUM_STAGES, False, ROWS, BLOCK_N, s_layout,
-                o_layout, p_layout, dtype)
-        if n_tiles > 1:
-            acc, p_op, alpha, m_i, l_i = _round(
-                n_tiles - 2, q, p_op, acc, alpha, m_i, l_i, qk_scale, k_smem, v_smem, k_full,
-                k_empty, v_full, v_empty, s_zero, WG * ROWS, NUM_STAGES, True, ROWS, BLOCK_N,
-                s_layout, o_layout, p_layout, dtype)
-    else:
+    if n_tiles > 0:
+        s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        row_lim = _row_key_limit(row0 + gl.arange(0, ROWS, layout=row_s), seqlen_k, delta,
+                                 CAUSAL)
+        mbarrier.wait(q_bars.index(WG), 0)
+
+        # ---- S_0, masked (the one tile of a short program may be the band or the tail) ------
+        mbarrier.wait(k_full.index(0), 0)
+        s_tok = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False,
+                              is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
+        mbarrier.arrive(k_empty.index(0), count=1)
+        p, alpha, m_i, l_i = _softmax_step_masked(s, cols, row_lim, m_i, l_i, qk_scale)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+
+        # ---- rounds 1 .. n_tiles - 1 (unmasked key tiles, then masked ones) ----------------
         for j in range(0, n_tiles - 1):
             acc, p_op, alpha, m_i, l_i = _round(
                 j, q, p_op, acc, alpha, m_i, l_i, qk_scale, k_smem, v_smem, k_full, k_empty,
-                v_full, v_empty, s_zero, 0, NUM_STAGES, False, ROWS, BLOCK_N, s_layout,
-                o_layout, p_layout, dtype)
+                v_full, v_empty, s_zero, cols, row_lim, n_full, NUM_STAGES, BLOCK_N, o_layout,
+                p_layout, dtype)
 
-    # ---- the last P V -------------------------------------------------------------------
-    j = n_tiles - 1
-    acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
-    vs = j % NUM_STAGES
-    mbarrier.wait(v_full.index(vs), (j // NUM_STAGES) & 1)
-    acc_tok = warpgroup_mma(p_op, v_smem.index(vs), acc, is_async=True)
-    acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, p_op))
-    mbarrier.arrive(v_empty.index(vs), count=1)
+        # ---- the last P V -------------------------------------------------------------------
+        j = n_tiles - 1
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+        vs = j % NUM_STAGES
+        mbarrier.wait(v_full.index(vs), (j // NUM_STAGES) & 1)
+        acc_tok = warpgroup_mma(p_op, v_smem.index(vs), acc, is_async=True)
+        acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, p_op))
+        mbarrier.arrive(v_empty.index(vs), count=1)
 
-    # ---- epilogue: O /= l, LSE = (m + log2 l) ln 2; store or merge --------------------------
-    # Every row saw at least one key (the causal mask here is the plain diagonal): l > 0.
-    acc = acc / gl.expand_dims(gl.convert_layout(l_i, row_o), 1)
-    lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
-    if ACCUMULATE:
-        _merge_into_state(acc, gl.convert_layout(lse, row_o), O_ACC, LSE, q_row + WG * ROWS,
-                          q_col, stride_os, stride_oh, stride_ls, stride_lh, ROWS, HEAD_DIM,
-                          o_layout)
-    else:
-        offs = m0 + WG * ROWS + gl.arange(0, ROWS, layout=row_s)
-        gl.store(LSE + bh.to(gl.int64) * SEQLEN_Q + offs, lse)
-        # O through this warpgroup's Q half (its S GEMMs have all retired) and a TMA store
-        q.store(acc.to(dtype))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(o_desc, [q_row + WG * ROWS, q_col], q)
-        tma.store_wait(pendings=0)
+    # ---- epilogue: O /= l, LSE = (m + log2 l) ln 2; rows that saw no key: O = 0, LSE = -inf --
+    if row0 < seqlen_q:
+        l_o = gl.convert_layout(l_i, row_o)
+        acc = acc / gl.expand_dims(gl.where(l_o == 0.0, 1.0, l_o), 1)
+        lse = _row_lse(m_i, l_i)
+        if ACCUMULATE:
+            _merge_into_state(acc, gl.convert_layout(lse, row_o),
+                              row0 + gl.arange(0, ROWS, layout=row_o), O, LSE, b, h, seqlen_q,
+                              stride_ob, stride_os, stride_oh, stride_lb, stride_ls, stride_lh,
+                              HEAD_DIM, o_layout)
+        else:
+            rows = row0 + gl.arange(0, ROWS, layout=row_s)
+            l_ptrs = (LSE + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
+                      + (q_seq0 + rows).to(gl.int64) * stride_ls)
+            gl.store(l_ptrs, lse, mask=rows < seqlen_q)
+            # O through this warpgroup's Q half (its S GEMMs have all retired) and a TMA store;
+            # rows past the sequence's end are dropped by the descriptor's bounds
+            q.store(acc.to(dtype))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(od, [o_row + row0, o_col], q)
+            tma.store_wait(pendings=0)
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=["Q_START", "K_START", "SEQLEN_Q", "SEQLEN_K", "MAX_SEQLEN_Q"])
 def _attn_fwd_hopper_kernel(
-    q_desc,                   # TMA descriptor over [B * Sq, Hq * D], [64, D] boxes
-    k_desc, v_desc,           # over [B * Sk, Hkv * D], [BLOCK_N, D] boxes
-    o_desc,                   # like q_desc over O; None when ACCUMULATE
-    O_ACC,                    # ACCUMULATE: float32 [B, Sq, Hq, D] running output; else None
-    LSE,                      # float32 [B, Hq, Sq] contiguous; ACCUMULATE: [B, Sq, Hq] (strides)
-    stride_os, stride_oh,     # ACCUMULATE: O_ACC's seq / head strides (batch = Sq * seq, D: 1)
-    stride_ls, stride_lh,     # ACCUMULATE: LSE's seq / head strides (batch = Sq * seq)
+    q_desc,                   # host mode: TMA descriptor over [B * Sq, Hq * D], [64, D] boxes
+    k_desc, v_desc,           # host mode: over [B * Sk, Hkv * D], [BLOCK_N, D] boxes
+    o_desc,                   # host mode: like q_desc over O; device mode / ACCUMULATE: None
+    Q, K, V,                  # q / k / v (device mode: the descriptors' bases)
+    O,                        # output (device mode's O descriptors) or ACCUMULATE's O_ACC
+    LSE,                      # float32 output [B, Hq, Sq] / [Hq, total_q], or ACCUMULATE's state
+    CU_Q, CU_K,               # VARLEN: int32 [B + 1] sequence starts; else None
+    Q_START, K_START,         # CAUSAL: ints or int32/int64 [B] pointers (*_IS_TENSOR)
+    stride_qb, stride_qs, stride_qh,   # element strides (head_dim's is 1; batch's 0 for varlen)
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_ob, stride_os, stride_oh,   # of O (device mode) / O_ACC (ACCUMULATE)
+    stride_lb, stride_ls, stride_lh,   # of LSE
     qk_scale,                 # softmax_scale * log2(e)
-    SEQLEN_Q, SEQLEN_K,       # multiples of 128; equal when CAUSAL
+    SEQLEN_Q, SEQLEN_K,       # dense lengths (VARLEN: unused)
+    MAX_SEQLEN_Q,             # sizes the grid: cdiv(MAX_SEQLEN_Q, BLOCK_M) query tiles per head
     H_Q, GROUP,               # query heads, Hq // Hkv
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
     NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, ACCUMULATE: gl.constexpr,
+    VARLEN: gl.constexpr, DEVICE_DESC: gl.constexpr,
+    Q_START_IS_TENSOR: gl.constexpr, K_START_IS_TENSOR: gl.constexpr,
+    Q_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):
-    """grid = (B * Hq * Sq / BLOCK_M,), num_warps = 4 (the default partition = consumer 0)."""
+    """grid = (B * Hq * cdiv(MAX_SEQLEN_Q, BLOCK_M),), num_warps = 4 (the default partition =
+    consumer 0)."""
     gl.static_assert(BLOCK_M == 128)
-    gl.static_assert(BLOCK_N == 128)  # causal: the last visited key tile is the diagonal tile
-    dtype: gl.constexpr = q_desc.dtype
-    q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M // 2, HEAD_DIM], q_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    dtype: gl.constexpr = Q.dtype.element_ty
+    q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M // 2, HEAD_DIM], Q_LAYOUT)
+    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], KV_LAYOUT)
+    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], KV_LAYOUT)
     q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_full = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -354,25 +452,54 @@ def _attn_fwd_hopper_kernel(
     fence_async_shared()
     bars = (q_bars, k_full, k_empty, v_full, v_empty)
     gl.warp_specialize([
-        (_consumer, (q_smem, k_smem, v_smem, bars, o_desc, O_ACC, LSE, stride_os, stride_oh,
-                     stride_ls, stride_lh, qk_scale, SEQLEN_Q, SEQLEN_K, H_Q, GROUP, 0, BLOCK_M,
-                     BLOCK_N, HEAD_DIM, NUM_STAGES, CAUSAL, ACCUMULATE)),
-        (_consumer, (q_smem, k_smem, v_smem, bars, o_desc, O_ACC, LSE, stride_os, stride_oh,
-                     stride_ls, stride_lh, qk_scale, SEQLEN_Q, SEQLEN_K, H_Q, GROUP, 1, BLOCK_M,
-                     BLOCK_N, HEAD_DIM, NUM_STAGES, CAUSAL, ACCUMULATE)),
-        (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, bars, SEQLEN_Q, SEQLEN_K,
-                     H_Q, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, CAUSAL)),
+        (_consumer, (q_smem, k_smem, v_smem, bars, o_desc, O, LSE, CU_Q, CU_K, Q_START, K_START,
+                     stride_ob, stride_os, stride_oh, stride_lb, stride_ls, stride_lh, qk_scale,
+                     SEQLEN_Q, SEQLEN_K, MAX_SEQLEN_Q, H_Q, 0, BLOCK_M, BLOCK_N, HEAD_DIM,
+                     NUM_STAGES, CAUSAL, VARLEN, DEVICE_DESC, Q_START_IS_TENSOR,
+                     K_START_IS_TENSOR, ACCUMULATE, Q_LAYOUT)),
+        (_consumer, (q_smem, k_smem, v_smem, bars, o_desc, O, LSE, CU_Q, CU_K, Q_START, K_START,
+                     stride_ob, stride_os, stride_oh, stride_lb, stride_ls, stride_lh, qk_scale,
+                     SEQLEN_Q, SEQLEN_K, MAX_SEQLEN_Q, H_Q, 1, BLOCK_M, BLOCK_N, HEAD_DIM,
+                     NUM_STAGES, CAUSAL, VARLEN, DEVICE_DESC, Q_START_IS_TENSOR,
+                     K_START_IS_TENSOR, ACCUMULATE, Q_LAYOUT)),
+        (_producer, (q_desc, k_desc, v_desc, Q, K, V, q_smem, k_smem, v_smem, bars, CU_Q, CU_K,
+                     Q_START, K_START, stride_qb, stride_qs, stride_qh, stride_kb, stride_ks,
+                     stride_kh, stride_vb, stride_vs, stride_vh, SEQLEN_Q, SEQLEN_K,
+                     MAX_SEQLEN_Q, H_Q, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, CAUSAL,
+                     VARLEN, DEVICE_DESC, Q_START_IS_TENSOR, K_START_IS_TENSOR, Q_LAYOUT,
+                     KV_LAYOUT)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 # --------------------------------------------------------------------------- #
 # Python entry point
 # --------------------------------------------------------------------------- #
+def descriptor_mode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, varlen: bool) -> str:
+    """"host" where 2-D host descriptors over (batch, seq) rows are exact for this call (q, k, v
+    rows form them, `prefill._tma_rows`, and no tile straddles two sequences: B == 1 or Sq and
+    Sk multiples of the tiles), else "device" (per-program descriptors over each sequence)."""
+    if varlen:
+        return "device"
+    if not all(_tma_rows(tuple(x.shape), x.stride(), x.element_size(), x.data_ptr())
+               for x in (q, k, v)):
+        return "device"
+    batch, sq, _, d = q.shape
+    if batch == 1 or (sq % BLOCK_M == 0 and k.shape[1] % block_n(d) == 0):
+        return "host"
+    return "device"
+
+
+@functools.lru_cache(maxsize=None)
+def _smem_layout(rows: int, head_dim: int, dtype: torch.dtype) -> gl.NVMMASharedLayout:
+    """The shared-memory layout of a [rows, head_dim] tile (TMA box and wgmma operand)."""
+    return gl.NVMMASharedLayout.get_default_for([rows, head_dim], _GL_DTYPE[dtype])
+
+
 def _rows_desc(x: torch.Tensor, block_rows: int) -> TensorDescriptor:
     """TMA descriptor over x [B, S, H, D] as the 2-D [B * S, H * D] (row stride: x's seq stride)."""
     b, s, h, d = x.shape
-    layout = gl.NVMMASharedLayout.get_default_for([block_rows, d], _GL_DTYPE[x.dtype])
-    return TensorDescriptor(x, [b * s, h * d], [x.stride(1), 1], [block_rows, d], layout)
+    return TensorDescriptor(x, [b * s, h * d], [x.stride(1), 1], [block_rows, d],
+                            _smem_layout(block_rows, d, x.dtype))
 
 
 def launch_args(
@@ -382,27 +509,80 @@ def launch_args(
     softmax_scale: float,
     causal: bool,
     accumulate: tuple[torch.Tensor, torch.Tensor] | None,
+    q_start: int | torch.Tensor = 0,
+    k_start: int | torch.Tensor = 0,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    mode: str | None = None,
 ) -> tuple[tuple[int], tuple, dict, tuple[torch.Tensor, torch.Tensor] | None]:
     """(grid, args, constexpr kwargs, (o, lse) or None) of one kernel launch; allocates o and lse
-    unless accumulating. Shared with bench/compile_prefill_hopper.py, which compiles exactly the
-    specialisations that launches with given tensors get."""
-    batch, sq, hq, d = q.shape
-    sk, hkv = k.shape[1], k.shape[2]
-    if accumulate is None:
-        o = torch.empty((batch, sq, hq, d), dtype=q.dtype, device=q.device)
-        lse = torch.empty((batch, hq, sq), dtype=torch.float32, device=q.device)
-        o_desc, o_acc, out = _rows_desc(o, WG_ROWS), None, (o, lse)
-        strides = (0, 0, 0, 0)
+    unless accumulating. mode: "host" / "device" descriptors (default: `descriptor_mode`).
+    Shared with bench/compile_prefill_hopper.py, which compiles exactly the specialisations that
+    launches with given tensors get. q_start / k_start: ints or [B] int32/int64 tensors on
+    q's device (causal only; without causal they are ignored)."""
+    varlen = cu_seqlens_q is not None
+    if varlen and (cu_seqlens_k is None or max_seqlen_q is None):
+        raise ValueError("varlen needs cu_seqlens_k and max_seqlen_q (it sizes the grid)")
+    exact = descriptor_mode(q, k, v, varlen)
+    if mode not in (None, "host", "device") or (mode == "host" and exact != "host"):
+        raise ValueError(f"mode must be None, 'device' or, where the host descriptors are exact "
+                         f"for this call, 'host'; got {mode!r}")
+    mode = mode or exact
+    if varlen:
+        cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
+        total_q, hq, d = q.shape
+        hkv = k.shape[1]
+        batch = cu_seqlens_q.numel() - 1
+        sq = sk = 0
+        (sqs, sqh, _), (sks, skh, _), (svs, svh, _) = q.stride(), k.stride(), v.stride()
+        sqb = skb = svb = 0
+        o = torch.empty((total_q, hq, d), dtype=q.dtype, device=q.device)
+        lse = torch.empty((hq, total_q), dtype=torch.float32, device=q.device)
+        o_strides = (0, o.stride(0), o.stride(1))
+        l_strides = (0, 1, lse.stride(0))
+        out = (o, lse)
     else:
-        o_acc, lse = accumulate
-        o_desc, out = None, None
-        strides = (o_acc.stride(1), o_acc.stride(2), lse.stride(1), lse.stride(2))
-    args = (_rows_desc(q, WG_ROWS), _rows_desc(k, BLOCK_N), _rows_desc(v, BLOCK_N), o_desc, o_acc,
-            lse, *strides, float(softmax_scale) * _LOG2E, sq, sk, hq, hq // hkv)
-    meta = dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, NUM_STAGES=NUM_STAGES,
-                CAUSAL=bool(causal), ACCUMULATE=accumulate is not None,
-                CONSUMER_REGS=CONSUMER_REGS, PRODUCER_REGS=PRODUCER_REGS, num_warps=NUM_WARPS)
-    return (batch * hq * (sq // BLOCK_M),), args, meta, out
+        batch, sq, hq, d = q.shape
+        sk, hkv = k.shape[1], k.shape[2]
+        max_seqlen_q = sq
+        (sqb, sqs, sqh, _), (skb, sks, skh, _), (svb, svs, svh, _) = (
+            q.stride(), k.stride(), v.stride())
+        if accumulate is None:
+            o = torch.empty((batch, sq, hq, d), dtype=q.dtype, device=q.device)
+            lse = torch.empty((batch, hq, sq), dtype=torch.float32, device=q.device)
+            out = (o, lse)
+            l_strides = (lse.stride(0), 1, lse.stride(1))
+        else:
+            o, lse = accumulate
+            out = None
+            l_strides = lse.stride()  # [B, Sq, Hq]: (batch, seq, head)
+        o_strides = o.stride()[:3]
+    bn = block_n(d)
+    host = mode == "host"
+    q_layout, kv_layout = _smem_layout(WG_ROWS, d, q.dtype), _smem_layout(bn, d, q.dtype)
+    descs = ((_rows_desc(q, WG_ROWS), _rows_desc(k, bn), _rows_desc(v, bn),
+              _rows_desc(o, WG_ROWS) if accumulate is None else None) if host
+             else (None, None, None, None))
+    if causal:
+        qs, qs_t = _offset_arg(q_start, batch, q.device, "q_start")
+        ks, ks_t = _offset_arg(k_start, batch, q.device, "k_start")
+        if not (qs_t or ks_t):  # one clamped int: no 64-bit parameters, one specialisation
+            qs, ks = max(-DELTA_LIMIT, min(DELTA_LIMIT, qs - ks)), 0
+    else:
+        qs, qs_t, ks, ks_t = 0, False, 0, False
+    args = (*descs, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, qs, ks,
+            sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, *o_strides, *l_strides,
+            float(softmax_scale) * _LOG2E, sq, sk, max_seqlen_q, hq, hq // hkv)
+    meta = dict(BLOCK_M=BLOCK_M, BLOCK_N=bn, HEAD_DIM=d, NUM_STAGES=NUM_STAGES,
+                CAUSAL=bool(causal), ACCUMULATE=accumulate is not None, VARLEN=varlen,
+                DEVICE_DESC=not host, Q_START_IS_TENSOR=qs_t, K_START_IS_TENSOR=ks_t,
+                Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout,
+                CONSUMER_REGS=CONSUMER_REGS,
+                PRODUCER_REGS=PRODUCER_REGS if host else PRODUCER_REGS_DEVICE_DESC,
+                num_warps=NUM_WARPS)
+    grid = (batch * hq * -(-max_seqlen_q // BLOCK_M),)
+    return grid, args, meta, out
 
 
 def hopper_attention_fwd(
@@ -412,30 +592,43 @@ def hopper_attention_fwd(
     *,
     softmax_scale: float,
     causal: bool,
-    q_start: int,
-    k_start: int,
+    q_start: int | torch.Tensor = 0,
+    k_start: int | torch.Tensor = 0,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
     accumulate: tuple[torch.Tensor, torch.Tensor] | None = None,
+    mode: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Attention forward on Hopper returning (O, LSE), or merging them into a running state.
 
-    q [B, Sq, Hq, 128], k/v [B, Sk, Hkv, 128], bf16 or fp16, on an sm_90 GPU
-    -> o [B, Sq, Hq, 128] (q.dtype), lse [B, Hq, Sq] float32 (natural log).
+    Dense:  q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D]
+            -> o [B, Sq, Hq, D] (q.dtype), lse [B, Hq, Sq] float32 (natural log).
+    Varlen: q [total_q, Hq, D], k/v [total_k, Hkv, D], cu_seqlens_q/k int32 [B + 1] on q's
+            device, max_seqlen_q a python int >= every sequence's query length
+            -> o [total_q, Hq, D], lse [Hq, total_q].
+    bf16 or fp16, D in HEAD_DIMS, on an sm_90 GPU; causal: row i sees key j iff
+    k_start + j <= q_start + i (ints or [B] int tensors); rows that see no key get O = 0 and
+    LSE = -inf.
 
-    Only for the inputs that `longctx.kernels.prefill.hopper_kernel_applies` accepts (Sq and Sk
-    multiples of 128, rows addressable by a 2-D TMA descriptor, see the module docstring); the
-    launch does not re-check them. causal: row i sees key j iff k_start + j <= q_start + i, which
-    this kernel takes only as the plain diagonal (Sq == Sk, q_start == k_start: ValueError
-    otherwise); without causal the offsets are ignored.
+    Only for the inputs that `longctx.kernels.prefill.hopper_kernel_applies` accepts (TMA-
+    addressable rows, see the module docstring); the launch does not re-check them. mode:
+    "host" / "device" descriptors, for A/B timing (default `descriptor_mode`; "host" only where
+    that says so).
 
-    accumulate: (o_acc [B, Sq, Hq, D] float32, lse_acc [B, Sq, Hq] float32), a running state as
-    `longctx.merge.merge_into` keeps it; the result is merged into it in place (rule and
-    barrier of kernels/prefill.py's ACCUMULATE epilogue; o_acc is never read where lse_acc is
-    -inf) and nothing is returned.
+    accumulate (dense only): (o_acc [B, Sq, Hq, D] float32, lse_acc [B, Sq, Hq] float32), a
+    running state as `longctx.merge.merge_into` keeps it; the result is merged into it in place
+    (rule and barrier of kernels/prefill.py's ACCUMULATE epilogue; o_acc is never read where
+    lse_acc is -inf) and nothing is returned.
     """
-    if causal and (q.shape[1] != k.shape[1] or q_start != k_start):
-        raise ValueError(
-            f"causal needs the plain diagonal mask here (Sq == Sk and q_start == k_start), got "
-            f"Sq={q.shape[1]}, Sk={k.shape[1]}, q_start={q_start}, k_start={k_start}")
-    grid, args, meta, out = launch_args(q, k, v, softmax_scale, causal, accumulate)
+    grid, args, meta, out = launch_args(q, k, v, softmax_scale, causal, accumulate, q_start,
+                                        k_start, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, mode)
+    if grid[0] == 0:
+        if out is not None:
+            out[0].zero_()
+            out[1].fill_(float("-inf"))
+        return out
+    if meta["DEVICE_DESC"]:
+        _set_allocator()  # descriptors made on the device need 128 bytes of global scratch each
     _attn_fwd_hopper_kernel[grid](*args, **meta)
     return out

@@ -2,6 +2,8 @@
 
     python launch/bench.py case=decode            # Flash-Decoding table (fp16, 16/2 heads, D=128)
     python launch/bench.py case=prefill           # prefill TFLOPS (bf16, D=128)
+    python launch/bench.py case=prefill prefill_table=issue22   # issue 22's table (odd lengths,
+                                                  # 3 head layouts, D=64/256, varlen)
     python launch/bench.py case=decode decode.shapes='[[1,65536]]' tag=h100
 
 Needs a CUDA GPU. Every number is a median of `bench_ms` (each repetition starts with a cold,
@@ -10,6 +12,7 @@ clean L2). Writes <output_dir>/<case>[-tag].json and .png; prints a table.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -205,78 +208,195 @@ def print_row_decode(r: dict, peers, header: bool) -> None:
 
 
 # ---------------------------------------------------------------- prefill
-def run_prefill(cfg: DictConfig) -> dict:
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+def varlen_lengths(total: int, num_seqs: int, seed: int) -> list[int]:
+    """num_seqs random sequence lengths summing to total (each >= 1; uniform weights from a
+    seeded generator, so every run and every script draws the same batch)."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.rand(num_seqs, generator=g, dtype=torch.float64) + 0.05
+    lens = [max(1, int(x)) for x in (w / w.sum() * total).tolist()]
+    lens[int(torch.tensor(lens).argmax())] += total - sum(lens)
+    return lens
+
+
+def prefill_flops(lens: list[int], hq: int, d: int, causal: bool) -> float:
+    """4 * Hq * S^2 * D per sequence (Q K^T and P V), halved for causal."""
+    return sum(4.0 * hq * n * n * d * (0.5 if causal else 1.0) for n in lens)
+
+
+def with_prefill_kernel(fn: Callable[[], object], choice: str) -> Callable[[], object]:
+    """fn run with LONGCTX_PREFILL_KERNEL=choice ("triton": the Triton kernel on every GPU)."""
+    def run():
+        old = os.environ.get("LONGCTX_PREFILL_KERNEL")
+        os.environ["LONGCTX_PREFILL_KERNEL"] = choice
+        try:
+            return fn()
+        finally:
+            if old is None:
+                os.environ.pop("LONGCTX_PREFILL_KERNEL")
+            else:
+                os.environ["LONGCTX_PREFILL_KERNEL"] = old
+    return run
+
+
+def _peer_backends() -> dict:
+    from torch.nn.attention import SDPBackend
+
+    return {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}
+
+
+def sdpa_fn(backend, qt, kt, vt, causal: bool) -> Callable[[], torch.Tensor]:
+    """SDPA on one backend, inputs [B, H, S, D]."""
+    from torch.nn.attention import sdpa_kernel
     import torch.nn.functional as F
 
+    def fn():
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=True)
+    return fn
+
+
+def prefill_row(cfg: DictConfig, hq: int, hkv: int, d: int, lens: list[int], causal: bool,
+                varlen: bool) -> dict:
+    """One table row. Dense: B = len(lens) sequences of lens[0] rows ([B, S, H, D] tensors).
+    Varlen: the sequences packed ([T, H, D] with cu_seqlens); the peers (SDPA has no varlen)
+    run one call per sequence inside one timed function, and "dense same tokens" is longctx on
+    a dense batch of the same sequence count and total tokens (B x T / B)."""
+    backends = _peer_backends()
     c = cfg.prefill
     dtype = DTYPES[c.dtype]
+    total = sum(lens)
+    if varlen:
+        q = torch.randn(total, hq, d, device="cuda", dtype=dtype)
+        k, v = (torch.randn(total, hkv, d, device="cuda", dtype=dtype) for _ in range(2))
+        cu = torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32,
+                          device="cuda")
+        seqs = [(q[a:e], k[a:e], v[a:e]) for a, e in zip(cu[:-1].tolist(), cu[1:].tolist())]
+
+        def ours():
+            return longctx.attention(q, k, v, causal=causal, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                     max_seqlen_q=max(lens), max_seqlen_k=max(lens))
+    else:
+        b, n = len(lens), lens[0]
+        q = torch.randn(b, n, hq, d, device="cuda", dtype=dtype)
+        k, v = (torch.randn(b, n, hkv, d, device="cuda", dtype=dtype) for _ in range(2))
+        seqs = [(q, k, v)]
+
+        def ours():
+            return longctx.attention(q, k, v, causal=causal)
+    # peers on their preferred layout: [B, H, S, D] contiguous, per sequence when varlen
+    tr = [tuple(x.unsqueeze(0).transpose(1, 2).contiguous() if varlen
+                else x.transpose(1, 2).contiguous() for x in s) for s in seqs]
+
+    def per_seq(backend):
+        fns = [sdpa_fn(backend, *t, causal) for t in tr]
+        return lambda: [f() for f in fns]
+
+    # SDPA flash's output (fp32 copy) as the reference, in longctx's layout (varlen: packed)
+    refs = [o.float() for o in per_seq(backends["sdpa_flash"])()]
+    ref = (torch.cat([r[0].transpose(0, 1) for r in refs]) if varlen
+           else refs[0].transpose(1, 2))
+    err = (ours().float() - ref).abs().max().item()
+    row = {"kind": "varlen" if varlen else "dense", "q_heads": hq, "kv_heads": hkv,
+           "head_dim": d, "batch": len(lens), "seq_len": total if varlen else lens[0],
+           "causal": causal, "flops": prefill_flops(lens, hq, d, causal),
+           "longctx_ms": bench_ms(ours, cfg.warmup_ms, cfg.rep_ms), "longctx_max_err": err}
+    if varlen:
+        row["lengths"] = lens
+    if c.compare_triton:  # the Triton kernel on the same call (the Gluon kernel's A/B)
+        row["triton_ms"] = bench_ms(with_prefill_kernel(ours, "triton"), cfg.warmup_ms,
+                                    cfg.rep_ms)
+    for name in c.peers:
+        if varlen:
+            if name == "flex":
+                row["flex_ms"], why = None, "not run for varlen"
+            else:
+                row[f"{name}_ms"], why = varlen_peer(per_seq(backends[name]), refs, cfg)
+        else:
+            make = ((lambda: flex_fn(tr[0], causal)) if name == "flex"
+                    else (lambda: sdpa_fn(backends[name], *tr[0], causal)))
+            row[f"{name}_ms"], _, why = try_peer(name, make, refs[0], cfg)
+        if why:
+            row[f"{name}_note"] = why
+    if varlen:  # longctx on a dense batch of the same sequence count and total tokens
+        n = total // len(lens)
+        qd = torch.randn(len(lens), n, hq, d, device="cuda", dtype=dtype)
+        kd, vd = (torch.randn(len(lens), n, hkv, d, device="cuda", dtype=dtype) for _ in range(2))
+        row["dense_same_tokens_ms"] = bench_ms(
+            lambda: longctx.attention(qd, kd, vd, causal=causal), cfg.warmup_ms, cfg.rep_ms)
+        row["dense_same_tokens_flops"] = prefill_flops([n] * len(lens), hq, d, causal)
+    return row
+
+
+def flex_fn(t: tuple[torch.Tensor, ...], causal: bool) -> Callable[[], torch.Tensor]:
+    """FlexAttention (compiled) on [B, H, S, D] tensors."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    qt, kt, vt = t
+    n = qt.shape[2]
+    compiled = torch.compile(flex_attention, dynamic=False)
+    mask = create_block_mask(lambda b, h, qi, ki: ki <= qi, None, None, n, n) if causal else None
+    return lambda: compiled(qt, kt, vt, block_mask=mask, enable_gqa=True)
+
+
+def varlen_peer(fn: Callable[[], list[torch.Tensor]], refs: list[torch.Tensor],
+                cfg: DictConfig) -> tuple[float | None, str]:
+    """try_peer for a per-sequence peer: checks every sequence's output, times the whole list:
+    (ms or None, note)."""
+    try:
+        err = max((o.float() - r).abs().max().item() for o, r in zip(fn(), refs))
+        if not err < 5e-2:
+            return None, f"wrong result (max err {err:.2e})"
+        return bench_ms(fn, cfg.warmup_ms, cfg.rep_ms), ""
+    except Exception as e:  # a peer that does not support the shape is reported, not fatal
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+
+
+def run_prefill(cfg: DictConfig) -> dict:
+    """The dense table (heads x seq_lens x causal at head_dim, then the extra_head_dims rows)
+    and the varlen rows (cfg.prefill.varlen: num_seqs random lengths summing to total)."""
+    c = cfg.prefill
+    plan = [(hq, hkv, c.head_dim, [n] * c.batch, causal, False)
+            for hq, hkv in c.heads for n in c.seq_lens for causal in c.causal]
+    for d, lens in (c.get("extra_head_dims") or {}).items():
+        plan += [(hq, hkv, int(d), [n] * c.batch, causal, False)
+                 for hq, hkv in c.heads for n in lens for causal in c.causal]
+    if c.get("varlen"):
+        lens = varlen_lengths(c.varlen.total, c.varlen.num_seqs, c.varlen.seed)
+        print(f"varlen rows: {len(lens)} sequences {lens} (total {sum(lens)})")
+        plan += [(hq, hkv, c.head_dim, lens, causal, True) for hq, hkv in c.heads
+                 for causal in c.causal]
     rows = []
-    for Hq, Hkv in c.heads:
-        for N in c.seq_lens:
-            for causal in c.causal:
-                B, D = c.batch, c.head_dim
-                q = torch.randn(B, N, Hq, D, device="cuda", dtype=dtype)
-                k = torch.randn(B, N, Hkv, D, device="cuda", dtype=dtype)
-                v = torch.randn(B, N, Hkv, D, device="cuda", dtype=dtype)
-                flops = 4 * B * Hq * N * N * D * (0.5 if causal else 1.0)
-                qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
-
-                def ours():
-                    return longctx.attention(q, k, v, causal=causal)
-
-                def sdpa(backend):
-                    def make():
-                        def fn():
-                            with sdpa_kernel(backend):
-                                return F.scaled_dot_product_attention(
-                                    qt, kt, vt, is_causal=causal, enable_gqa=True)
-                        return fn
-                    return make
-
-                def flex():
-                    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-                    compiled = torch.compile(flex_attention, dynamic=False)
-                    mask = None
-                    if causal:
-                        mask = create_block_mask(lambda b, h, qi, ki: ki <= qi, None, None, N, N)
-                    return lambda: compiled(qt, kt, vt, block_mask=mask, enable_gqa=True)
-
-                makers = {"sdpa_flash": sdpa(SDPBackend.FLASH_ATTENTION),
-                          "sdpa_cudnn": sdpa(SDPBackend.CUDNN_ATTENTION), "flex": flex}
-                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                    ref_t = F.scaled_dot_product_attention(qt, kt, vt, is_causal=causal,
-                                                           enable_gqa=True).float()
-                ref = ref_t.transpose(1, 2)
-                out = ours()
-                err = (out.float() - ref).abs().max().item()
-                row = {"q_heads": Hq, "kv_heads": Hkv, "seq_len": N, "causal": causal,
-                       "flops": flops, "longctx_ms": bench_ms(ours, cfg.warmup_ms, cfg.rep_ms), "longctx_max_err": err}
-                for name in c.peers:
-                    ms, _, why = try_peer(name, makers[name], ref_t, cfg)
-                    row[f"{name}_ms"] = ms
-                    if why:
-                        row[f"{name}_note"] = why
-                rows.append(row)
-                del q, k, v, qt, kt, vt, ref, ref_t, out
-                torch.cuda.empty_cache()
-                print_row_prefill(row, c.peers, header=len(rows) == 1)
+    for hq, hkv, d, lens, causal, varlen in plan:
+        rows.append(prefill_row(cfg, hq, hkv, d, lens, causal, varlen))
+        torch.cuda.empty_cache()
+        print_row_prefill(rows[-1], c.peers, header=len(rows) == 1)
     return {"rows": rows}
 
 
-def tflops(row: dict, key: str) -> float | None:
+def tflops(row: dict, key: str, flops_key: str = "flops") -> float | None:
     ms = row.get(key)
-    return None if not ms else row["flops"] / (ms * 1e-3) / 1e12
+    return None if not ms else row[flops_key] / (ms * 1e-3) / 1e12
 
 
 def print_row_prefill(r: dict, peers, header: bool) -> None:
     if header:
-        print(f"{'Hq/Hkv':>7} {'N':>6} {'causal':>6} {'longctx':>8} "
-              + " ".join(f"{p:>10}" for p in peers) + f" {'err':>8}   (TFLOPS)")
-    peers_s = " ".join(f"{tflops(r, f'{p}_ms'):>10.0f}" if r.get(f"{p}_ms") else f"{'n/a':>10}"
-                       for p in peers)
-    print(f"{r['q_heads']:>3}/{r['kv_heads']:<3} {r['seq_len']:>6} {str(r['causal']):>6} "
-          f"{tflops(r, 'longctx_ms'):>8.0f} {peers_s} {r['longctx_max_err']:>8.1e}")
+        print("(TFLOPS, causal FLOPs halved; varlen: the peers run one call per sequence, "
+              "'dense' = longctx on B x T/B dense rows of the same tokens; "
+              "vs = longctx / best peer)")
+        print(f"{'kind':>6} {'D':>3} {'Hq/Hkv':>7} {'N':>6} {'causal':>6} {'longctx':>8} "
+              + " ".join(f"{p:>10}" for p in peers) + f" {'triton':>7} {'dense':>7} {'vs':>6}"
+              f" {'err':>8}")
+    peer_tf = [tflops(r, f"{p}_ms") for p in peers]
+    peers_s = " ".join(f"{t:>10.0f}" if t else f"{'n/a':>10}" for t in peer_tf)
+    ours = tflops(r, "longctx_ms")
+    best = max([t for t in peer_tf if t], default=None)
+    tri = tflops(r, "triton_ms")
+    dense = (tflops(r, "dense_same_tokens_ms", "dense_same_tokens_flops")
+             if "dense_same_tokens_ms" in r else None)
+    print(f"{r['kind']:>6} {r['head_dim']:>3} {r['q_heads']:>3}/{r['kv_heads']:<3} "
+          f"{r['seq_len']:>6} {str(r['causal']):>6} {ours:>8.0f} {peers_s} "
+          f"{tri if tri else float('nan'):>7.0f} {dense if dense else float('nan'):>7.0f} "
+          f"{ours / best if best else float('nan'):>5.2f}x {r['longctx_max_err']:>8.1e}")
 
 
 # ---------------------------------------------------------------- output
@@ -300,8 +420,10 @@ def plot(case: str, result: dict, peers, path: Path) -> None:
         ax.set_xlabel("KV length N (batch = 65536 / N, min 1)")
         ax.set_ylabel("latency (µs)")
     else:
-        labels = [f"{r['q_heads']}/{r['kv_heads']} {r['seq_len'] // 1024}k{' c' if r['causal'] else ''}"
-                  for r in rows]
+        labels = [f"{'varlen ' if r.get('kind') == 'varlen' else ''}"
+                  f"{'' if r.get('head_dim', 128) == 128 else 'D' + str(r['head_dim']) + ' '}"
+                  f"{r['q_heads']}/{r['kv_heads']} {r['seq_len'] / 1024:.0f}k"
+                  f"{' c' if r['causal'] else ''}" for r in rows]
         xs = range(len(rows))
         for i, name in enumerate(["longctx", *peers]):
             ax.bar([x + 0.2 * i for x in xs], [tflops(r, f"{name}_ms") or 0 for r in rows],

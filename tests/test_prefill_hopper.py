@@ -9,16 +9,32 @@ PyTorch implementation in the same dtype); the fused merge is compared with the 
 
 from __future__ import annotations
 
+import contextlib
+import itertools
+import subprocess
 import sys
+from collections.abc import Iterator
 
 import pytest
 import torch
+
+import triton
+import triton.language as tl
 
 import longctx
 import longctx.kernels.prefill as P
 from longctx.backend import force_triton
 from longctx.kernels.prefill import hopper_kernel_applies
-from tests.test_prefill import check, rand, ref_seq, torch_half_seq
+from longctx.kernels.prefill_tiles import (
+    _clamp_delta,
+    _key_tiles,
+    _row_key_limit,
+    _row_lse,
+    _softmax_step,
+    _softmax_step_masked,
+)
+from longctx.reference import reference_attention
+from tests.test_prefill import DEV, check, rand, ref_seq
 
 BF16, FP16 = torch.bfloat16, torch.float16
 HALF = pytest.mark.parametrize("dtype", [BF16, FP16], ids=["bf16", "fp16"])
@@ -42,10 +58,18 @@ def call(q=(2, 8192, 16, 128), k=(2, 8192, 2, 128), **changes) -> bool:
     contiguous and aligned unless `changes` says otherwise."""
     kw = dict(dtypes=(BF16, BF16, BF16), shapes=(q, k, k),
               strides=(contiguous(q), contiguous(k), contiguous(k)), data_ptrs=(1 << 20,) * 3,
-              capability=(9, 0), causal=False, q_start=0, k_start=0, varlen=False,
-              config_given=False, accumulate_strides=None)
+              capability=(9, 0), causal=False, varlen=False, config_given=False)
     kw.update(changes)
     return hopper_kernel_applies(**kw)
+
+
+def varlen_call(total_q: int, total_k: int, num_seqs: int, hq: int = 16, hkv: int = 2,
+                **changes) -> bool:
+    """`call` for a varlen batch: q [total_q, hq, 128], k / v [total_k, hkv, 128]."""
+    q, k = (total_q, hq, 128), (total_k, hkv, 128)
+    return call(q, k, **dict(dict(varlen=True, num_seqs=num_seqs,
+                                   strides=(contiguous(q), contiguous(k), contiguous(k))),
+                             **changes))
 
 
 PACKED = contiguous((2, 8192, 20, 128))  # a qkv projection: q = heads 0..15, k 16..17, v 18..19
@@ -61,29 +85,34 @@ def q_strides(q: tuple[int, ...]) -> dict:
 ACCEPTED = [
     pytest.param({}, id="dense-no-mask"),
     pytest.param(dict(causal=True), id="causal-diagonal-8192-rows"),
-    pytest.param(dict(causal=True, q_start=1000, k_start=1000), id="causal-equal-int-offsets"),
     pytest.param(dict(dtypes=(FP16,) * 3), id="fp16"),
     pytest.param(dict(q=(2, 2048, 16, 128), k=(2, 640, 2, 128)), id="no-mask-sq-ne-sk"),
     pytest.param(dict(q=(2, 2048, 16, 128), k=(2, 128, 2, 128)), id="no-mask-one-kv-tile"),
     pytest.param(dict(q=(1, 4096, 16, 128), k=(1, 4096, 2, 128)), id="no-mask-512-programs"),
+    pytest.param(dict(q=(1, 3969, 16, 128), k=(1, 1, 2, 128)), id="no-mask-ragged-512-programs"),
     pytest.param(dict(causal=True, q=(1, 2048, 16, 128), k=(1, 2048, 2, 128)),
                  id="causal-2048-rows"),
+    pytest.param(dict(causal=True, q=(1, 12000, 24, 128), k=(1, 12000, 8, 128)),
+                 id="causal-12000-rows-the-issue"),
+    pytest.param(dict(causal=True, q=(1, 65537, 16, 128), k=(1, 65537, 2, 128)),
+                 id="causal-65537-rows"),
+    pytest.param(dict(q=(3, 1000, 32, 128), k=(3, 1001, 32, 128)), id="no-mask-ragged-batch-3"),
+    pytest.param(dict(causal=True, q=(1, 2048, 16, 128), k=(1, 30000, 2, 128)),
+                 id="causal-chunked-prefill-sq-ne-sk"),
     pytest.param(dict(q=(2, 8192, 12, 128), k=(2, 8192, 4, 128)), id="gqa-group-3-12-4"),
     pytest.param(dict(q=(2, 8192, 8, 128), k=(2, 8192, 1, 128)), id="mqa-group-8"),
-    pytest.param(dict(q_start=torch.tensor([0, 5]), k_start=7),
-                 id="no-mask-tensor-offsets-ignored"),
+    pytest.param(dict(q=(2, 8192, 16, 64), k=(2, 8192, 2, 64)), id="head-dim-64"),
+    pytest.param(dict(q=(2, 8192, 16, 256), k=(2, 8192, 2, 256)), id="head-dim-256"),
     pytest.param(dict(q=(1, 8192, 16, 128), k=(1, 8192, 2, 128),
                       strides=((3 << 30, 2048, 128, 1), (5, 256, 128, 1), (7, 256, 128, 1))),
                  id="batch-1-any-batch-stride"),
     pytest.param(dict(strides=(PACKED,) * 3,
                       data_ptrs=(1 << 20, (1 << 20) + 16 * 256, (1 << 20) + 18 * 256)),
                  id="packed-qkv-views"),
-    pytest.param(dict(accumulate_strides=(contiguous((2, 8192, 16, 128)),
-                                          contiguous((2, 8192, 16)))),
-                 id="accumulate-contiguous"),
-    pytest.param(dict(q=(1, 8192, 16, 128), k=(1, 8192, 2, 128),
-                      accumulate_strides=((2 * 8192 * 2048, 2048, 128, 1), (2 * 8192 * 16, 16, 1))),
-                 id="accumulate-batch-1-slice-of-longer-state"),
+    # not a 2-D [B * S, H * D] tensor, but every (sequence, head) is a TMA tensor: the kernel's
+    # device-side descriptors
+    pytest.param(q_strides(BHSD), id="bhsd-memory-device-descriptors"),
+    pytest.param(q_strides((2 * 8192 * 2048, 2048, 128, 1)), id="batch-stride-not-sq-rows"),
 ]
 
 DECLINED = [
@@ -91,35 +120,27 @@ DECLINED = [
     pytest.param(dict(capability=(10, 0)), id="not-hopper-sm100"),
     pytest.param(dict(capability=None), id="not-cuda"),
     pytest.param(dict(config_given=True), id="config-override"),
-    pytest.param(dict(q=(16384, 16, 128), k=(16384, 2, 128), varlen=True,
-                      strides=((2048, 128, 1), (256, 128, 1), (256, 128, 1))), id="varlen"),
     pytest.param(dict(dtypes=(torch.float32,) * 3), id="fp32"),
     pytest.param(dict(dtypes=(BF16, FP16, FP16)), id="mixed-dtypes"),
-    pytest.param(dict(q=(2, 8192, 16, 64), k=(2, 8192, 2, 64)), id="head-dim-64"),
-    pytest.param(dict(q=(2, 200, 16, 128)), id="sq-not-multiple-of-128"),
-    pytest.param(dict(k=(2, 1000, 2, 128)), id="sk-not-multiple-of-128"),
+    pytest.param(dict(q=(2, 8192, 16, 96), k=(2, 8192, 2, 96)), id="head-dim-96"),
+    pytest.param(dict(q=(2, 8192, 16, 32), k=(2, 8192, 2, 32)), id="head-dim-32"),
     pytest.param(dict(q=(0, 8192, 16, 128), k=(0, 8192, 2, 128)), id="empty-batch"),
+    pytest.param(dict(k=(2, 0, 2, 128)), id="no-keys"),
+    pytest.param(dict(q=(2, 0, 16, 128)), id="no-queries"),
     pytest.param(q_strides((8192 * 16 * 256, 16 * 256, 256, 2)), id="head-dim-stride-not-1"),
-    pytest.param(q_strides(BHSD), id="heads-not-adjacent-bhsd-memory"),
-    pytest.param(q_strides((2 * 8192 * 2048, 2048, 128, 1)), id="batch-stride-not-sq-rows"),
     pytest.param(dict(data_ptrs=((1 << 20) + 2, 1 << 20, 1 << 20)), id="q-not-16-byte-aligned"),
     pytest.param(q_strides((8192 * 2052, 2052, 128, 1)), id="row-stride-not-16-bytes"),
+    pytest.param(q_strides((8192 * 16 * 132, 16 * 132, 132, 1)), id="head-stride-not-16-bytes"),
     pytest.param(dict(q=(1, 8192, 16, 128), k=(1, 8192, 2, 128),
                       strides=(contiguous((1, 8192, 16, 128)), (0, 0, 128, 1), (0, 0, 128, 1))),
                  id="k-rows-overlap-expanded"),
     pytest.param(dict(causal=True, q=(2, 1920, 16, 128), k=(2, 1920, 2, 128)),
                  id="causal-below-2048-rows-stays-on-triton"),
+    pytest.param(dict(causal=True, q=(1, 1000, 16, 128), k=(1, 30000, 2, 128)),
+                 id="causal-chunk-below-2048-rows-stays-on-triton"),
     pytest.param(dict(q=(1, 2048, 16, 128), k=(1, 2048, 2, 128)),
                  id="no-mask-256-programs-stays-on-triton"),
-    pytest.param(dict(causal=True, k=(2, 16384, 2, 128)), id="causal-sq-ne-sk"),
-    pytest.param(dict(causal=True, q_start=0, k_start=128), id="causal-offsets-differ"),
-    pytest.param(dict(causal=True, q_start=torch.tensor([0, 0]), k_start=torch.tensor([0, 0])),
-                 id="causal-tensor-offsets"),
-    pytest.param(dict(accumulate_strides=((2 * 8192 * 2048, 2048, 128, 1),
-                                          contiguous((2, 8192, 16)))),
-                 id="accumulate-o-acc-batch-stride-not-sq-rows"),
-    pytest.param(dict(accumulate_strides=(contiguous((2, 8192, 16, 128)), (2 * 8192 * 16, 16, 1))),
-                 id="accumulate-lse-acc-batch-stride-not-sq-rows"),
+    pytest.param(dict(q=(1, 3968, 16, 128), k=(1, 1, 2, 128)), id="no-mask-496-programs"),
 ]
 
 
@@ -131,6 +152,38 @@ def test_hopper_kernel_applies_accepts(changes: dict) -> None:
 @pytest.mark.parametrize("changes", DECLINED)
 def test_hopper_kernel_applies_declines(changes: dict) -> None:
     assert not call(**changes)
+
+
+@pytest.mark.parametrize("total_q,num_seqs,causal,hq,expected", [
+    pytest.param(65536, 8, True, 16, True, id="causal-8-seqs-64k"),
+    pytest.param(65536, 8, False, 16, True, id="full-8-seqs-64k"),
+    pytest.param(16384, 8, True, 16, True, id="causal-mean-2048-rows"),
+    pytest.param(16383, 8, True, 16, False, id="causal-mean-below-2048-rows"),
+    pytest.param(4096, 8, False, 16, True, id="full-512-programs"),
+    pytest.param(4095, 8, False, 15, False, id="full-below-512-programs"),
+    pytest.param(65536, 0, False, 16, False, id="no-sequences"),
+])
+def test_hopper_kernel_applies_varlen(total_q: int, num_seqs: int, causal: bool, hq: int,
+                                      expected: bool) -> None:
+    """Varlen: the work rules on the mean sequence (causal) and on Hq * cdiv(total_q, 128)
+    programs (no mask)."""
+    assert varlen_call(total_q, total_q, num_seqs, hq=hq, hkv=1, causal=causal) == expected
+
+
+def test_hopper_kernel_applies_varlen_layout() -> None:
+    """Varlen needs every (sequence, head) TMA-addressable: packed qkv views pass, a misaligned
+    base, head stride or row stride does not."""
+    packed = (20 * 128, 128, 1)  # [T, 20 heads, 128]: q = heads 0..15, k 16..17, v 18..19
+    ptrs = (1 << 20, (1 << 20) + 16 * 256, (1 << 20) + 18 * 256)
+    assert varlen_call(65536, 65536, 8, strides=(packed,) * 3, data_ptrs=ptrs)
+    assert not varlen_call(65536, 65536, 8, strides=(packed,) * 3,
+                           data_ptrs=(ptrs[0] + 8, *ptrs[1:]))
+    kv = contiguous((65536, 2, 128))
+    assert not varlen_call(65536, 65536, 8, strides=((16 * 132, 132, 1), kv, kv))
+    assert not varlen_call(65536, 65536, 8, strides=((16 * 128 + 4, 128, 1), kv, kv))
+    q96, kv96 = (65536, 16, 96), (65536, 2, 96)
+    assert not call(q96, kv96, varlen=True, num_seqs=8,
+                    strides=(contiguous(q96), contiguous(kv96), contiguous(kv96)))
 
 
 def test_prefill_kernel_env(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -146,15 +199,38 @@ def test_prefill_kernel_env(monkeypatch: pytest.MonkeyPatch) -> None:
         P._prefill_kernel_choice()
 
 
-def test_hopper_module_import_error_means_triton(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A Triton without Gluon for Hopper: the import fails and the Triton kernel runs."""
+def test_hopper_module_without_gluon_means_triton(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Triton without Gluon: no Hopper module, the Triton kernel runs."""
     # None in sys.modules: importing the module raises ImportError
-    monkeypatch.setitem(sys.modules, "longctx.kernels.prefill_hopper", None)
+    monkeypatch.setitem(sys.modules, "triton.experimental.gluon", None)
     P._hopper_module.cache_clear()
     try:
         assert P._hopper_module() is None
     finally:
         P._hopper_module.cache_clear()
+
+
+def test_hopper_module_error_is_not_a_silent_fallback(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With Gluon present, an import error inside kernels/prefill_hopper.py raises instead of
+    quietly sending every call to the Triton kernel."""
+    pytest.importorskip("triton.experimental.gluon")
+    monkeypatch.setitem(sys.modules, "longctx.kernels.prefill_hopper", None)
+    P._hopper_module.cache_clear()
+    try:
+        with pytest.raises(ImportError):
+            P._hopper_module()
+    finally:
+        P._hopper_module.cache_clear()
+
+
+def test_hopper_module_imports() -> None:
+    """kernels/prefill_hopper.py imports (its names from kernels/prefill.py exist) wherever Gluon
+    does, GPU or not."""
+    pytest.importorskip("triton.experimental.gluon")
+    # In a child process: this one's tests check that the interpreter path never imports it.
+    run = subprocess.run([sys.executable, "-c", "import longctx.kernels.prefill_hopper"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only case (Triton interpreter)")
@@ -175,66 +251,356 @@ def test_interpreter_never_imports_the_gluon_module(monkeypatch: pytest.MonkeyPa
 
 
 # --------------------------------------------------------------------------- #
+# The Gluon kernel's masking rule (kernels/prefill_tiles.py), any machine
+# --------------------------------------------------------------------------- #
+@triton.jit
+def _tile_walk_kernel(Q, K, V, O, LSE, SEQLEN_Q, SEQLEN_K, Q_START, K_START, qk_scale,
+                      D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      CAUSAL: tl.constexpr):
+    """One query tile of the Gluon consumer's walk, with its tile helpers: key tiles
+    [0, n_tiles), S_0 masked, then unmasked below n_full and masked from there. q [Sq_pad, D],
+    k/v [Sk_pad, D] (zero rows past the lengths, as TMA fills them), fp32; o [Sq_pad, D],
+    lse [Sq_pad]."""
+    m0 = tl.program_id(0) * BLOCK_M
+    delta = _clamp_delta(Q_START, K_START) if CAUSAL else 0
+    n_full, n_tiles = _key_tiles(m0, SEQLEN_Q, SEQLEN_K, delta, CAUSAL, BLOCK_M, BLOCK_N)
+    rows = m0 + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, D)
+    row_lim = _row_key_limit(rows, SEQLEN_K, delta, CAUSAL)
+    q = tl.load(Q + rows[:, None] * D + dims[None, :])
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    t = 0
+    while t < n_tiles:
+        keys = t * BLOCK_N + cols
+        k = tl.load(K + keys[:, None] * D + dims[None, :])
+        v = tl.load(V + keys[:, None] * D + dims[None, :])
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        if t == 0 or t >= n_full:
+            p, alpha, m_i, l_i = _softmax_step_masked(s, cols, row_lim - t * BLOCK_N, m_i, l_i,
+                                                      qk_scale)
+        else:
+            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        t += 1
+    acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(O + rows[:, None] * D + dims[None, :], acc)
+    tl.store(LSE + rows, _row_lse(m_i, l_i))
+
+
+def tile_walk(q, k, v, causal: bool, q_start: int, k_start: int, block_m: int, block_n: int):
+    """The walk over one sequence: q [Sq, D], k/v [Sk, D] float32 (CPU) -> o [Sq, D], lse [Sq]."""
+    sq, d = q.shape
+    sk = k.shape[0]
+    pad = lambda x, n: torch.cat([x, x.new_zeros(n - x.shape[0], d)])  # noqa: E731
+    sq_pad = -(-max(sq, 1) // block_m) * block_m
+    sk_pad = -(-max(sk, 1) // block_n) * block_n + block_n  # room for a tile past n_tiles
+    qp, kp, vp = pad(q, sq_pad), pad(k, sk_pad), pad(v, sk_pad)
+    o = torch.full((sq_pad, d), float("nan"))
+    lse = torch.full((sq_pad,), float("nan"))
+    _tile_walk_kernel[(sq_pad // block_m,)](qp, kp, vp, o, lse, sq, sk, q_start, k_start,
+                                           d ** -0.5 * 1.4426950408889634, D=d, BLOCK_M=block_m,
+                                           BLOCK_N=block_n, CAUSAL=causal)
+    return o[:sq], lse[:sq]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the Triton interpreter's run (CPU)")
+@pytest.mark.parametrize("sq,sk,q_start,k_start,causal", [
+    pytest.param(1, 1, 0, 0, True, id="one-row"),
+    pytest.param(37, 37, 0, 0, True, id="square-ragged"),
+    pytest.param(64, 64, 0, 0, True, id="square-aligned"),
+    pytest.param(37, 37, 0, 0, False, id="full-ragged"),
+    pytest.param(20, 5, 0, 0, False, id="full-fewer-keys-than-a-tile"),
+    pytest.param(40, 100, 60, 0, True, id="chunked-prefill-last-chunk"),
+    pytest.param(33, 90, 57, 0, True, id="chunked-band-spans-tiles"),
+    pytest.param(40, 70, 0, 30, True, id="q-before-k-empty-rows"),
+    pytest.param(20, 30, 0, 100, True, id="every-row-empty"),
+    pytest.param(20, 30, 1 << 40, 0, True, id="huge-positive-offset"),
+    pytest.param(20, 30, 0, 1 << 40, True, id="huge-negative-offset"),
+    pytest.param(25, 0, 0, 0, False, id="no-keys"),
+])
+@pytest.mark.parametrize("block_m,block_n", [(16, 16), (32, 16), (16, 32)],
+                         ids=["16x16", "32x16", "16x32"])
+def test_tile_walk_matches_reference(sq: int, sk: int, q_start: int, k_start: int, causal: bool,
+                                     block_m: int, block_n: int) -> None:
+    """The key tiles the Gluon kernel visits, which of them it masks, the masked step's -inf
+    guard and the empty-row epilogue: against the float64 reference, any lengths and offsets."""
+    d = 16
+    q, k, v = torch.randn(sq, 1, d), torch.randn(sk, 1, d), torch.randn(sk, 1, d)
+    o, lse = tile_walk(q[:, 0], k[:, 0], v[:, 0], causal, q_start, k_start, block_m, block_n)
+    o_ref, lse_ref = ref_seq(q, k, v, d ** -0.5, causal, q_start, k_start)
+    check(o[:, None], lse[None], o_ref, lse_ref, torch.float32)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_key_tiles_bounds(causal: bool) -> None:
+    """_key_tiles' rule in plain numbers, for every query tile of awkward lengths and every
+    offset from -40 to 40: n_tiles is the fewest key tiles that hold every key a real row of
+    the tile sees (0 when none sees any), n_full the most leading tiles that every real row
+    sees entirely."""
+    bm, bn = 16, 8
+    for sq, sk in ((37, 45), (1, 9), (20, 0), (16, 16), (33, 8), (40, 100)):
+        for delta in range(-40, 41) if causal else (0,):
+            for m0 in range(0, sq + bm, bm):
+                rows = range(m0, min(m0 + bm, sq))
+                seen = [min(sk, max(0, r + delta + 1)) if causal else sk for r in rows]
+                want = (min(seen, default=0) // bn, -(-max(seen, default=0) // bn))
+                got = tile_bounds(m0, sq, sk, delta, causal, bm, bn)
+                assert got == want, (sq, sk, delta, m0, got, want)
+
+
+@triton.jit
+def _tile_bounds_kernel(OUT, m0, seqlen_q, seqlen_k, delta, CAUSAL: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    n_full, n_tiles = _key_tiles(m0, seqlen_q, seqlen_k, delta, CAUSAL, BLOCK_M, BLOCK_N)
+    tl.store(OUT, n_full)
+    tl.store(OUT + 1, n_tiles)
+
+
+def tile_bounds(m0, sq, sk, delta, causal, bm, bn) -> tuple[int, int]:
+    out = torch.zeros(2, dtype=torch.int32, device=DEV)
+    _tile_bounds_kernel[(1,)](out, m0, sq, sk, delta, CAUSAL=causal, BLOCK_M=bm, BLOCK_N=bn)
+    return int(out[0]), int(out[1])
+
+
+# --------------------------------------------------------------------------- #
 # The Gluon kernel (sm_90 GPU)
 # --------------------------------------------------------------------------- #
+@contextlib.contextmanager
+def gluon_counter() -> Iterator[list[dict]]:
+    """Records every hopper_attention_fwd call that flash_attention_fwd makes (the dispatch
+    looks the function up on the module at each call)."""
+    from longctx.kernels import prefill_hopper
+
+    calls, real = [], prefill_hopper.hopper_attention_fwd
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    prefill_hopper.hopper_attention_fwd = counted
+    try:
+        yield calls
+    finally:
+        prefill_hopper.hopper_attention_fwd = real
+
+
 def hopper_fwd(*args, **kwargs):
     from longctx.kernels.prefill_hopper import hopper_attention_fwd
 
     return hopper_attention_fwd(*args, **kwargs)
 
 
-def run_hopper(b: int, sq: int, sk: int, hq: int, hkv: int, dtype: torch.dtype,
-               causal: bool) -> None:
-    """The Gluon kernel called directly (any Sq, Sk multiples of 128, causal at any length)
-    against the float64 reference, sequence by sequence."""
-    q = rand(b, sq, hq, 128, dtype=dtype)
-    k, v = rand(b, sk, hkv, 128, dtype=dtype), rand(b, sk, hkv, 128, dtype=dtype)
-    scale = 128 ** -0.5
-    o, lse = hopper_fwd(q, k, v, softmax_scale=scale, causal=causal, q_start=0, k_start=0)
-    assert o.shape == q.shape and o.dtype == dtype and o.is_contiguous()
-    assert lse.shape == (b, hq, sq) and lse.dtype == torch.float32
+def ref_gpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
+            q_start: int, k_start: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One sequence's float64 reference and plain PyTorch half-precision output, computed on the
+    GPU in blocks of query rows (the scores of 65537 x 65537 rows do not fit at once):
+    q [Sq, Hq, D], k/v [Sk, Hkv, D] -> o_ref [Sq, Hq, D], lse_ref [Hq, Sq] (float64),
+    o_half [Sq, Hq, D] (q's dtype), on the CPU."""
+    sq, hq, _ = q.shape
+    block = max(64, (1 << 27) // max(1, k.shape[0] * hq))
+    parts = []
+    for a in range(0, sq, block):
+        kw = dict(causal=causal, softmax_scale=scale, q_start=q_start + a, k_start=k_start)
+        qb = q[a:a + block][None]
+        o, lse = reference_attention(qb, k[None], v[None], compute_dtype=torch.float64, **kw)
+        o_half, _ = reference_attention(qb, k[None], v[None], compute_dtype=q.dtype, **kw)
+        parts.append((o[0].cpu(), lse[0].cpu(), o_half[0].cpu()))
+        del o, lse, o_half
+    o_ref, lse_ref, o_half = (torch.cat(x, dim) for x, dim in zip(zip(*parts), (0, 1, 0)))
+    return o_ref, lse_ref, o_half
+
+
+def check_seq(o, lse, q, k, v, scale, causal, q_start, k_start) -> None:
+    """One sequence of the kernel's output (o [Sq, Hq, D], lse [Hq, Sq]) against the float64
+    reference: tests/test_prefill.py's rule (at most 2x the plain PyTorch error)."""
+    if q.shape[0] == 0:
+        return
+    o_ref, lse_ref, o_half = ref_gpu(q, k, v, scale, causal, q_start, k_start)
+    check(o, lse, o_ref, lse_ref, q.dtype, o_half)
+
+
+def per_seq(x: int | list[int], i: int) -> int:
+    return x[i] if isinstance(x, list) else x
+
+
+def as_offset(x: int | list[int], dtype: torch.dtype) -> int | torch.Tensor:
+    return torch.tensor(x, dtype=dtype, device="cuda") if isinstance(x, list) else x
+
+
+def run(lens_q: list[int], lens_k: list[int], hq: int, hkv: int, *, causal: bool,
+        dtype: torch.dtype = BF16, d: int = 128, q_start: int | list[int] = 0,
+        k_start: int | list[int] = 0, varlen: bool = False, via: str = "direct",
+        mode: str | None = None) -> None:
+    """A random batch through the Gluon kernel against the float64 reference, sequence by
+    sequence. Dense (varlen=False): every sequence has lens_q[0] / lens_k[0] rows. Offsets: ints
+    or per-sequence lists (-> int32 / int64 tensors). via "api": longctx.attention, asserting
+    that the dispatch took the Gluon kernel; "direct": hopper_attention_fwd (any shape, also
+    those the dispatch leaves to the Triton kernel), descriptors `mode` (None: its default)."""
+    scale = d ** -0.5
+    b = len(lens_q)
+    qs, ks = as_offset(q_start, torch.int32), as_offset(k_start, torch.int64)
+    kw = dict(causal=causal, softmax_scale=scale, q_start=qs, k_start=ks)
+    if varlen:
+        cu = [torch.tensor([0] + list(itertools.accumulate(n)), dtype=torch.int32, device="cuda")
+              for n in (lens_q, lens_k)]
+        q = rand(sum(lens_q), hq, d, dtype=dtype)
+        k, v = (rand(sum(lens_k), hkv, d, dtype=dtype) for _ in range(2))
+        kw.update(cu_seqlens_q=cu[0], cu_seqlens_k=cu[1], max_seqlen_q=max(lens_q),
+                  max_seqlen_k=max(lens_k))
+        rows = [(int(cu[0][i]), int(cu[0][i + 1]), int(cu[1][i]), int(cu[1][i + 1]))
+                for i in range(b)]
+    else:
+        assert len(set(lens_q)) == 1 and len(set(lens_k)) == 1
+        q = rand(b, lens_q[0], hq, d, dtype=dtype)
+        k, v = (rand(b, lens_k[0], hkv, d, dtype=dtype) for _ in range(2))
+    if via == "api":
+        assert mode is None
+        with gluon_counter() as calls:
+            o, lse = longctx.attention(q, k, v, return_lse=True, **kw)
+        assert len(calls) == 1, "the dispatch did not take the Gluon kernel"
+    else:
+        kw.pop("max_seqlen_k", None)
+        o, lse = hopper_fwd(q, k, v, **dict(kw, causal=causal), mode=mode)
+    assert o.shape == q.shape and o.dtype == dtype
     for i in range(b):
-        o_ref, lse_ref = ref_seq(q[i], k[i], v[i], scale, causal, 0, 0)
-        o_half = torch_half_seq(q[i], k[i], v[i], scale, causal, 0, 0)
-        check(o[i], lse[i], o_ref, lse_ref, dtype, o_half)
+        args = (scale, causal, per_seq(q_start, i), per_seq(k_start, i))
+        if varlen:
+            a, e, ka, ke = rows[i]
+            check_seq(o[a:e], lse[:, a:e], q[a:e], k[ka:ke], v[ka:ke], *args)
+        else:
+            check_seq(o[i], lse[i], q[i], k[i], v[i], *args)
+
+
+@pytest.mark.gpu
+@hopper_gpu
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("n,group,via", [
+    (1, 3, "direct"), (127, 1, "direct"), (129, 8, "direct"), (1000, 3, "direct"),
+    (12000, 8, "api"), (65537, 3, "api"),
+], ids=lambda x: str(x))
+def test_lengths(n: int, group: int, via: str, causal: bool) -> None:
+    """Sq = Sk = n, B = 1 (host descriptors: TMA bounds at the sequence's end), GQA group 1/3/8
+    with one KV head; the long ones through longctx.attention (the dispatch takes them)."""
+    torch.manual_seed(n + group)
+    run([n], [n], group, 1, causal=causal, via=via)
 
 
 @pytest.mark.gpu
 @hopper_gpu
 @HALF
-@pytest.mark.parametrize("sq,sk,causal", [
-    # causal: query tile m visits key tiles 0..m (n_tiles 1..8; 1 = the diagonal as S_0)
-    pytest.param(s, s, c, id=f"{'causal' if c else 'full'}-{s // 128}-kv-tiles")
-    for c in (True, False) for s in (128, 256, 384, 1024)
-] + [
-    pytest.param(256, 640, False, id="full-sq256-sk640"),
-    pytest.param(640, 128, False, id="full-sq640-sk128-one-kv-tile"),
-    pytest.param(128, 1024, False, id="full-sq128-sk1024"),
-    pytest.param(1024, 384, False, id="full-sq1024-sk384"),
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("n,group,via", [
+    (1, 8, "direct"), (129, 3, "direct"), (1000, 1, "direct"), (12000, 3, "api"),
+], ids=lambda x: str(x))
+def test_lengths_batch_2(n: int, group: int, via: str, causal: bool, dtype: torch.dtype) -> None:
+    """B = 2 with ragged lengths: device-side descriptors per (sequence, head)."""
+    torch.manual_seed(2 * n + group)
+    run([n, n], [n, n], 2 * group, 2, causal=causal, dtype=dtype, via=via)
+
+
+@pytest.mark.gpu
+@hopper_gpu
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("sq,sk", [(1000, 1000), (129, 3000), (3000, 1)])
+def test_device_descriptors_batch_1(sq: int, sk: int, causal: bool) -> None:
+    """The device-side descriptors forced where the host ones would do (B = 1): same results."""
+    torch.manual_seed(sq + sk)
+    run([sq], [sk], 6, 2, causal=causal, mode="device")
+
+
+@pytest.mark.gpu
+@hopper_gpu
+@pytest.mark.parametrize("b,sq,sk,q_start,k_start,via", [
+    pytest.param(1, 1000, 3000, 2000, 0, "direct", id="chunked-prefill-last-chunk"),
+    pytest.param(1, 2100, 9000, 6900, 0, "api", id="chunked-prefill-2100-rows-api"),
+    pytest.param(1, 1000, 1000, 0, 500, "direct", id="q-before-k-500-empty-rows"),
+    pytest.param(1, 300, 200, 0, 1000, "direct", id="every-row-empty"),
+    pytest.param(1, 129, 1, 5, 0, "direct", id="one-key"),
+    pytest.param(1, 700, 700, 1 << 40, 0, "direct", id="huge-offset"),
+    pytest.param(2, 1000, 3000, [2000, 0], [0, 700], "direct", id="tensor-offsets-batch-2"),
+    pytest.param(2, 1024, 1024, [0, 300], [0, 0], "direct", id="tensor-offsets-host-descriptors"),
+    pytest.param(1, 4000, 5000, [1000], [0], "api", id="tensor-offsets-api"),
+    pytest.param(2, 2500, 2500, 100, 400, "api", id="batch-2-offsets-api"),
 ])
-def test_kernel_matches_reference(sq: int, sk: int, causal: bool, dtype: torch.dtype) -> None:
-    torch.manual_seed(sq + sk + causal)
-    run_hopper(2, sq, sk, 6, 2, dtype, causal)
+def test_causal_offsets(b: int, sq: int, sk: int, q_start, k_start, via: str) -> None:
+    """Causal with q_start / k_start: the band at any offset (spanning two key tiles), rows that
+    see no key (O = 0, LSE = -inf), ints and [B] tensors, GQA group 3."""
+    torch.manual_seed(sq + sk)
+    run([sq] * b, [sk] * b, 6 if via == "direct" else 24, 2 if via == "direct" else 8,
+        causal=True, q_start=q_start, k_start=k_start, via=via)
 
 
 @pytest.mark.gpu
 @hopper_gpu
 @HALF
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_varlen(causal: bool, dtype: torch.dtype) -> None:
+    """Varlen, ragged lengths with a 0- and a 1-row sequence, GQA group 8."""
+    torch.manual_seed(31 + causal)
+    lens = [0, 1, 127, 129, 1000, 3000, 1]
+    run(lens, lens, 8, 1, causal=causal, dtype=dtype, varlen=True)
+
+
+@pytest.mark.gpu
+@hopper_gpu
+def test_varlen_chunked_offsets() -> None:
+    """Varlen chunked prefill: new rows at the end of cached keys, per-sequence offsets (a
+    sequence with no new rows, one whose rows come before its keys, one with no keys)."""
+    torch.manual_seed(33)
+    run([1, 500, 0, 700, 129, 3], [50, 2000, 10, 700, 129, 0], 6, 2, causal=True, varlen=True,
+        q_start=[49, 1500, 0, 0, 7, 0], k_start=[0, 0, 0, 100, 0, 0])
+
+
+@pytest.mark.gpu
+@hopper_gpu
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_varlen_api(causal: bool) -> None:
+    """A varlen batch that the dispatch takes (8 sequences, 24576 rows, a 0- and a 1-row one)."""
+    torch.manual_seed(35 + causal)
+    lens = [0, 1, 6000, 129, 9000, 2000, 4446, 3000]
+    run(lens, lens, 16, 2, causal=causal, varlen=True, via="api")
+
+
+@pytest.mark.gpu
+@hopper_gpu
+@pytest.mark.parametrize("d", [64, 256])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_head_dims(d: int, causal: bool) -> None:
+    """head_dim 64 and 256: B = 1 (host descriptors) and B = 2 ragged, offsets, varlen; through
+    the dispatch where it sends the head_dim to the Gluon kernel (_HOPPER_HEAD_DIMS)."""
+    torch.manual_seed(d + causal)
+    run([1000], [1000], 6, 2, causal=causal, d=d)
+    run([129, 129], [777, 777], 3, 1, causal=causal, d=d, q_start=600)
+    run([1, 257, 0, 1000], [1, 257, 5, 1000], 8, 1, causal=causal, d=d, varlen=True)
+    run([4000], [4000], 16, 2, causal=causal, d=d,
+        via="api" if d in P._HOPPER_HEAD_DIMS else "direct")
+
+
+@pytest.mark.gpu
+@hopper_gpu
+@HALF
+@pytest.mark.parametrize("sq,sk", [(s, s) for s in (128, 256, 384, 1024)]
+                         + [(256, 640), (640, 128), (128, 1024), (1024, 384)])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_multiples_of_128(sq: int, sk: int, causal: bool, dtype: torch.dtype) -> None:
+    """Sq, Sk multiples of 128, B = 2: host descriptors over [B * S, H * D] (no tile straddles
+    two sequences); causal with Sq != Sk and q_start = k_start = 0 (rows see Sq-aligned keys)."""
+    torch.manual_seed(sq + sk + causal)
+    run([sq, sq], [sk, sk], 6, 2, causal=causal, dtype=dtype)
+
+
+@pytest.mark.gpu
+@hopper_gpu
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("hq,hkv", [(8, 2), (12, 4), (4, 4), (8, 1)],
                          ids=["gqa-8-2", "gqa-12-4", "mha-4-4", "mqa-8-1"])
-def test_kernel_gqa_groups(hq: int, hkv: int, causal: bool, dtype: torch.dtype) -> None:
+def test_gqa_groups(hq: int, hkv: int, causal: bool) -> None:
     torch.manual_seed(hq + 16 * hkv)
-    run_hopper(2, 384, 384, hq, hkv, dtype, causal)
-
-
-@pytest.mark.gpu
-@hopper_gpu
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_kernel_batch_1_long(causal: bool) -> None:
-    """B = 1 (any batch stride) at 2048 rows, 16 key tiles: many ring laps (slot parities)."""
-    torch.manual_seed(5 + causal)
-    run_hopper(1, 2048, 2048, 4, 2, BF16, causal)
+    run([384, 384], [384, 384], hq, hkv, causal=causal)
+    run([2048], [2048], hq, hkv, causal=causal)  # 16 key tiles: many ring laps (slot parities)
 
 
 def initial_state(b: int, sq: int, hq: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -250,36 +616,46 @@ def initial_state(b: int, sq: int, hq: int) -> tuple[torch.Tensor, torch.Tensor]
 @pytest.mark.gpu
 @hopper_gpu
 @HALF
-@pytest.mark.parametrize("group,sk", [(1, 256), (3, 256), (3, 128)],
-                         ids=["group-1", "group-3", "group-3-one-kv-tile"])
-def test_kernel_accumulate_matches_triton(group: int, sk: int, dtype: torch.dtype,
-                                          monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("b,sq,group,sk", [(2, 384, 1, 256), (2, 384, 3, 128), (2, 1000, 3, 777),
+                                           (1, 1000, 1, 777), (1, 129, 8, 1)],
+                         ids=["aligned-group-1", "aligned-one-kv-tile", "ragged-batch-2",
+                              "ragged-batch-1", "ragged-one-key"])
+def test_accumulate(b: int, sq: int, group: int, sk: int, dtype: torch.dtype,
+                    monkeypatch: pytest.MonkeyPatch) -> None:
     """A ring rank's steps on the Gluon kernel's fused merge: a key block of another rank (no
-    mask, Sq != Sk) and the rank's own causal diagonal block, folded into a state with empty
-    (NaN) rows; against the same steps through attention_merge_into on the Triton kernel and
-    against the float64 reference (within 2x the Triton kernel's error)."""
-    torch.manual_seed(70 + group + sk)
-    b, sq, hkv = 2, 384, 2
+    mask, Sq != Sk), the rank's own causal diagonal block and a causal block at an offset, folded
+    into a state with empty (NaN) rows; against the same steps through attention_merge_into on
+    the Triton kernel and against the float64 reference (within 2x the Triton kernel's error).
+    Ragged lengths: rows past Sq are never touched."""
+    torch.manual_seed(70 + group + sk + sq)
+    hkv = 2
     hq = group * hkv
     q = rand(b, sq, hq, 128, dtype=dtype)
-    k_other, v_other = rand(b, sk, hkv, 128, dtype=dtype), rand(b, sk, hkv, 128, dtype=dtype)
-    k_own, v_own = rand(b, sq, hkv, 128, dtype=dtype), rand(b, sq, hkv, 128, dtype=dtype)
-    steps = [(k_other, v_other, False), (k_own, v_own, True)]
+    blocks = [(sk, False, 0, 0), (sq, True, 0, 0), (sk, True, 300, 0)]
+    steps = [(rand(b, n, hkv, 128, dtype=dtype), rand(b, n, hkv, 128, dtype=dtype), c, qs, ks)
+             for n, c, qs, ks in blocks]
     scale = 128 ** -0.5
-    state = initial_state(b, sq, hq)
-    gluon, triton_ = (tuple(t.clone() for t in state) for _ in range(2))
-    for k, v, causal in steps:
-        out = hopper_fwd(q, k, v, softmax_scale=scale, causal=causal, q_start=0, k_start=0,
-                         accumulate=gluon)
+    # the state is a slice of a longer buffer: rows past Sq must stay as they are
+    full = initial_state(b, sq + 5, hq)
+    state = tuple(x[:, :sq] for x in full)
+    gluon, triton_ = (tuple(t.clone() for t in full) for _ in range(2))
+    for k, v, causal, qs, ks in steps:
+        out = hopper_fwd(q, k, v, softmax_scale=scale, causal=causal, q_start=qs, k_start=ks,
+                         accumulate=tuple(x[:, :sq] for x in gluon))
         assert out is None
     monkeypatch.setenv("LONGCTX_PREFILL_KERNEL", "triton")
-    for k, v, causal in steps:
-        longctx.attention_merge_into(*triton_, q, k, v, causal=causal, softmax_scale=scale)
+    for k, v, causal, qs, ks in steps:
+        longctx.attention_merge_into(*(x[:, :sq] for x in triton_), q, k, v, causal=causal,
+                                     softmax_scale=scale, q_start=qs, k_start=ks)
+    for name, st in (("gluon", gluon), ("triton", triton_)):  # the rows past Sq: untouched
+        assert torch.equal(st[1][:, sq:], full[1][:, sq:]), name
+        assert torch.equal(st[0][:, sq:].nan_to_num(7.0), full[0][:, sq:].nan_to_num(7.0)), name
+    gluon, triton_ = (tuple(x[:, :sq] for x in st) for st in (gluon, triton_))
     # float64 reference: the initial state (its empty rows' O as 0, as the torch merge needs)
-    # merged with both blocks' exact states
+    # merged with every block's exact state
     o_ref, lse_ref = state[0].nan_to_num(0.0).cpu().double(), state[1].cpu().double()
-    for k, v, causal in steps:
-        parts = [ref_seq(q[i], k[i], v[i], scale, causal, 0, 0) for i in range(b)]
+    for k, v, causal, qs, ks in steps:
+        parts = [ref_seq(q[i], k[i], v[i], scale, causal, qs, ks) for i in range(b)]
         o_p = torch.stack([p[0] for p in parts])
         lse_p = torch.stack([p[1] for p in parts]).transpose(1, 2)
         longctx.merge_into(o_ref, lse_ref, o_p, lse_p.contiguous())
@@ -296,19 +672,11 @@ def test_kernel_accumulate_matches_triton(group: int, sk: int, dtype: torch.dtyp
 # The dispatch on an sm_90 GPU
 # --------------------------------------------------------------------------- #
 @pytest.fixture
-def gluon_calls(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
-    """Records every hopper_attention_fwd call that flash_attention_fwd makes."""
-    from longctx.kernels import prefill_hopper
-
-    calls, real = [], prefill_hopper.hopper_attention_fwd
-
-    def counted(*args, **kwargs):
-        calls.append(kwargs)
-        return real(*args, **kwargs)
-
+def gluon_calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[dict]]:
+    """gluon_counter() over a whole test, with LONGCTX_PREFILL_KERNEL unset."""
     monkeypatch.delenv("LONGCTX_PREFILL_KERNEL", raising=False)
-    monkeypatch.setattr(prefill_hopper, "hopper_attention_fwd", counted)
-    return calls
+    with gluon_counter() as calls:
+        yield calls
 
 
 @pytest.mark.gpu
@@ -318,32 +686,29 @@ def test_dispatch_picks_the_gluon_kernel(gluon_calls: list[dict],
     """longctx.attention / attention_merge_into run the Gluon kernel where the rule says so
     (with correct results), the Triton kernel elsewhere and under LONGCTX_PREFILL_KERNEL=triton."""
     torch.manual_seed(80)
-    # causal from 2048 rows: the Gluon kernel, checked against the reference
-    q = rand(1, 4224, 16, 128, dtype=BF16)
-    k, v = rand(1, 4224, 2, 128, dtype=BF16), rand(1, 4224, 2, 128, dtype=BF16)
+    # causal from 2048 rows, any length: the Gluon kernel, checked against the reference
+    q = rand(1, 4225, 16, 128, dtype=BF16)
+    k, v = rand(1, 4225, 2, 128, dtype=BF16), rand(1, 4225, 2, 128, dtype=BF16)
     o, lse = longctx.attention(q, k, v, causal=True, return_lse=True)
     assert len(gluon_calls) == 1 and gluon_calls[0]["causal"]
-    o_ref, lse_ref = ref_seq(q[0], k[0], v[0], 128 ** -0.5, True, 0, 0)
-    o_half = torch_half_seq(q[0], k[0], v[0], 128 ** -0.5, True, 0, 0)
-    check(o[0], lse[0], o_ref, lse_ref, BF16, o_half)
-    # no mask from 512 programs (16 heads x 32 query tiles), fused merge: the Gluon kernel
-    o_acc = torch.zeros(1, 4224, 16, 128, device="cuda")
-    lse_acc = torch.full((1, 4224, 16), float("-inf"), device="cuda")
+    check_seq(o[0], lse[0], q[0], k[0], v[0], 128 ** -0.5, True, 0, 0)
+    # no mask from 512 programs (16 heads x 32 query tiles), fused merge, offsets: Gluon
+    o_acc = torch.zeros(1, 4225, 16, 128, device="cuda")
+    lse_acc = torch.full((1, 4225, 16), float("-inf"), device="cuda")
     longctx.attention(q[:, :4096], k, v)
     longctx.attention_merge_into(o_acc, lse_acc, q, k, v)
-    assert len(gluon_calls) == 3 and gluon_calls[2]["accumulate"] is not None
-    # the Triton kernel: causal below 2048 rows, no mask with 256 programs, ragged lengths,
-    # offsets, fp32
+    longctx.attention(q, k, v, causal=True, q_start=5)
+    assert len(gluon_calls) == 4 and gluon_calls[2]["accumulate"] is not None
+    # the Triton kernel: causal below 2048 rows, no mask with 256 or 32 programs, fp32
     longctx.attention(q[:, :1920], k[:, :1920], v[:, :1920], causal=True)
     longctx.attention(q[:, :2048], k, v)
     longctx.attention(q[:, :200], k, v)
-    longctx.attention(q, k, v, causal=True, q_start=5)
     longctx.attention(q.float(), k.float(), v.float())
-    assert len(gluon_calls) == 3
+    assert len(gluon_calls) == 4
     monkeypatch.setenv("LONGCTX_PREFILL_KERNEL", "triton")
     o_t = longctx.attention(q, k, v, causal=True)
     longctx.attention_merge_into(o_acc, lse_acc, q, k, v)
-    assert len(gluon_calls) == 3
+    assert len(gluon_calls) == 4
     torch.testing.assert_close(o_t, o, atol=2e-2, rtol=2e-2)  # the two kernels agree
 
 
