@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from longctx.backend import interpreter_active
-from longctx.kernels.launch import Launch
+from longctx.kernels.launch import Launch, stream_scratch
 from longctx.kernels.merge import merge_states_launch
 from longctx.kernels.utils import (cdiv, device_name, device_sms, next_power_of_2, pdl_launch,
                                    pdl_wait)
@@ -309,11 +309,11 @@ class DecodePlan:
 
     Built from the shapes, strides, dtypes and devices of the inputs only (what longctx.decode
     keys its plan cache by), so a plan serves every call with that signature. Per call it
-    allocates the output (and the LSE when returned) and one float32 scratch buffer for the
-    partial states (and the LSE when not returned), and launches: at most three allocations
-    and two launches. The scratch is freed when the call returns, as separate partial buffers
-    were before: the caching allocator hands it out again only to work queued after the
-    launches on the same stream (or, inside a CUDA-graph capture, within the graph's pool).
+    needs the output (and the LSE when returned) and a float32 scratch for the partial states
+    (and the LSE when not returned), and launches twice at most: on the fast path the output
+    (and the LSE when returned) are its only allocations, the float32 scratch being the current
+    stream's (`longctx.kernels.launch.stream_scratch`, which says why that is safe); Triton's
+    path allocates the scratch per call.
     """
 
     __slots__ = ("o_shape", "dtype", "lse_shape", "return_lse", "scratch", "lse_part_off",
@@ -355,7 +355,6 @@ class DecodePlan:
         dev = q.device
         o = torch.empty(self.o_shape, dtype=self.dtype, device=dev)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=dev) if self.return_lse else None
-        scratch = torch.empty(self.scratch, dtype=torch.float32, device=dev) if self.scratch else None
         if self.split is None:
             return o, lse
         sl = q if cache_seqlens is None else cache_seqlens
@@ -364,7 +363,8 @@ class DecodePlan:
             qp = q.data_ptr()
             slp = qp if cache_seqlens is None else cache_seqlens.data_ptr()
             btp = slp if block_table is None else block_table.data_ptr()
-            base = 0 if scratch is None else scratch.data_ptr()
+            # The partials (and an LSE nobody asked for) in this stream's scratch: no allocation.
+            base = stream_scratch(4 * self.scratch, device, "decode").data_ptr() if self.scratch else 0
             lp = base + 4 * self.lse_off if lse is None else lse.data_ptr()
             op = o.data_ptr()
             if self.merge is None:
@@ -374,6 +374,7 @@ class DecodePlan:
                 self.split((qp, k_cache.data_ptr(), v_cache.data_ptr(), slp, btp, base, lpp), device)
                 self.merge((base, lpp, op, lp), device)
             return o, lse
+        scratch = torch.empty(self.scratch, dtype=torch.float32, device=dev) if self.scratch else None
         lse_out = lse if lse is not None else scratch[self.lse_off:]
         if self.merge is None:
             self.split.generic(q, k_cache, v_cache, sl, bt, o, lse_out)

@@ -46,7 +46,7 @@ import triton.language as tl
 
 from longctx.backend import interpreter_active
 from longctx.checks import check_accumulator
-from longctx.kernels.launch import Launch
+from longctx.kernels.launch import Launch, stream_scratch
 from longctx.kernels.merge import _rescale, _state_lse
 from longctx.kernels.utils import cdiv, device_capability, next_power_of_2
 
@@ -397,7 +397,10 @@ def _offset_arg(x: int | torch.Tensor, batch: int, device: torch.device, name: s
 
 
 def _alloc_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
-    return torch.empty(size, dtype=torch.int8, device="cuda")
+    """Triton's global scratch for a launch: the 128-byte TMA descriptors each program makes on
+    the device and only it reads, in the launch stream's reusable buffer (no allocation per
+    call; `stream_scratch` says why that is safe)."""
+    return stream_scratch(size, torch._C._cuda_getDevice(), "tma", stream)
 
 
 def _set_allocator() -> None:
@@ -433,13 +436,15 @@ def _tma_rows(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int, d
             and ss * itemsize % 16 == 0 and data_ptr % 16 == 0)
 
 
-def _tma_seqs(strides: tuple[int, ...], head_dim: int, itemsize: int, data_ptr: int) -> bool:
-    """Whether every (sequence, head) [S, D] slice of x ([B, S, H, D] or varlen [T, H, D], given
-    by its strides) is a 2-D TMA tensor: unit head_dim stride, rows that do not overlap, and a
-    16-byte aligned base and row stride for every batch, sequence start and head. (The Hopper
-    kernel's device-side descriptors.)"""
+def _tma_seqs(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int,
+              data_ptr: int) -> bool:
+    """Whether every (sequence, head) [S, D] slice of x ([B, S, H, D] or varlen [T, H, D]) is a
+    2-D TMA tensor: unit head_dim stride, rows that do not overlap, and a 16-byte aligned base
+    and row stride for every batch, sequence start and head (a batch of one has no batch
+    offset to align). (The Hopper kernel's device-side descriptors.)"""
     *outer, ss, sh, sd = strides
-    return (sd == 1 and ss >= head_dim and data_ptr % 16 == 0
+    outer = [x for x, n in zip(outer, shape) if n > 1]
+    return (sd == 1 and ss >= shape[-1] and data_ptr % 16 == 0
             and all(x * itemsize % 16 == 0 for x in (*outer, ss, sh)))
 
 
@@ -464,8 +469,8 @@ def hopper_kernel_applies(
 
     True for: capability (9, 0); no ``_config``; bf16 / fp16; head_dim in _HOPPER_HEAD_DIMS;
     dense or varlen, any lengths (none zero), any causal offsets (ints or [B] tensors), with or
-    without the fused merge; q, k, v whose rows TMA can address: dense as the 2-D [B * S, H * D]
-    (`_tma_rows`) or, like varlen, per (sequence, head) (`_tma_seqs`); enough work (measured
+    without the fused merge; q, k, v whose (sequence, head) slices TMA can address
+    (`_tma_seqs`: the kernel's device-side descriptors); enough work (measured
     rules, above): causal from 2048 query rows (varlen: total_q / B), without a mask from 512
     programs (B * Hq * cdiv(Sq, 128); varlen Hq * cdiv(total_q, 128)).
     """
@@ -480,10 +485,9 @@ def hopper_kernel_applies(
     if d not in _HOPPER_HEAD_DIMS:
         return False
     itemsize = dtypes[0].itemsize
-    if varlen or not all(_tma_rows(sh, st, itemsize, p)
-                         for sh, st, p in zip(shapes, strides, data_ptrs)):
-        if not all(_tma_seqs(st, d, itemsize, p) for st, p in zip(strides, data_ptrs)):
-            return False
+    # The dispatched kernel makes its descriptors on the device, per (sequence, head).
+    if not all(_tma_seqs(sh, st, itemsize, p) for sh, st, p in zip(shapes, strides, data_ptrs)):
+        return False
     if varlen:
         if not num_seqs:
             return False
@@ -517,22 +521,19 @@ def _hopper_module() -> ModuleType | None:
     return prefill_hopper
 
 
-def _hopper_path(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                 cu_seqlens_q: torch.Tensor | None, max_seqlen_q: int | None,
-                 config_given: bool) -> ModuleType | None:
-    """The Hopper kernel's module if this call runs it, else None (varlen without max_seqlen_q:
-    the Triton path reports it)."""
+def _hopper_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                    cu_seqlens_q: torch.Tensor | None, max_seqlen_q: int | None,
+                    config_given: bool) -> bool:
+    """`hopper_kernel_applies` for the signature of these CUDA tensors, their data pointers
+    taken as aligned (callers check the alignment per call)."""
     varlen = cu_seqlens_q is not None
-    if (not q.is_cuda or _INTERPRET or _prefill_kernel_choice() == "triton"
-            or (varlen and max_seqlen_q is None)):
-        return None
-    applies = hopper_kernel_applies(
+    if varlen and max_seqlen_q is None:  # the Triton path reports it
+        return False
+    return hopper_kernel_applies(
         dtypes=(q.dtype, k.dtype, v.dtype), shapes=(q.shape, k.shape, v.shape),
-        strides=(q.stride(), k.stride(), v.stride()),
-        data_ptrs=(q.data_ptr(), k.data_ptr(), v.data_ptr()),
+        strides=(q.stride(), k.stride(), v.stride()), data_ptrs=(0, 0, 0),
         capability=device_capability(q.device), causal=bool(causal), varlen=varlen,
         config_given=config_given, num_seqs=cu_seqlens_q.numel() - 1 if varlen else None)
-    return _hopper_module() if applies else None
 
 
 def flash_attention_fwd(
@@ -612,31 +613,33 @@ def check_prefill_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 class PrefillPlan:
-    """The Triton kernel's launch of `flash_attention_fwd` for one input signature, computed once.
+    """The launch of `flash_attention_fwd` for one input signature, computed once: the Gluon
+    Hopper kernel's (`prefill_hopper.HopperLaunch`) where its dispatch rule applies to the
+    signature, and the Triton kernel's.
 
     Built from the shapes, strides, dtypes and devices of the tensors, the types (int or tensor)
-    of q_start / k_start, the flags, scale, max_seqlen_q/k and `config` (what longctx.attention
-    keys its plan cache by); never from data pointers or offset values, which are the launch's
-    dynamic arguments. A call first asks the Hopper dispatch (`_hopper_path`, per call: it reads
-    data pointers, offsets and the environment), then allocates O and LSE (unless merging into
-    `accumulate`) and launches the Triton kernel once.
+    of q_start / k_start, the flags, scale, max_seqlen_q/k, `config` and `return_lse` (what
+    longctx.attention keys its plan cache by); never from data pointers or offset values, which
+    are the launches' dynamic arguments. A call takes the Hopper kernel unless a data pointer is
+    not 16-byte aligned or LONGCTX_PREFILL_KERNEL=triton is set (both read per call), allocates
+    O (and the LSE, unless it is not returned: then on the fast path it goes to the stream's
+    scratch) unless merging into `accumulate`, and launches once.
     """
 
-    __slots__ = ("o_shape", "lse_shape", "dtype", "empty", "offset_copy", "cu_copy", "launch",
-                 "softmax_scale", "causal", "is_varlen", "config_given", "max_seqlen_q")
+    __slots__ = ("o_shape", "lse_shape", "lse_bytes", "return_lse", "dtype", "empty",
+                 "offset_copy", "cu_copy", "launch", "hopper")
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: float,
                  causal: bool, q_start: int | torch.Tensor, k_start: int | torch.Tensor,
                  cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None,
                  max_seqlen_q: int | None, max_seqlen_k: int | None,
                  accumulate: tuple[torch.Tensor, torch.Tensor] | None,
-                 config: dict | None) -> None:
+                 config: dict | None, return_lse: bool = True) -> None:
         is_varlen = cu_seqlens_q is not None
         self.dtype = q.dtype
-        self.launch = None
-        self.softmax_scale, self.causal, self.is_varlen = softmax_scale, causal, is_varlen
-        self.config_given = config is not None
-        self.max_seqlen_q = max_seqlen_q  # varlen: sizes the Hopper kernel's grid too
+        self.launch = self.hopper = None
+        self.return_lse = return_lse
+        varlen_max_q = max_seqlen_q  # the Hopper kernel's grid (varlen); None when dense
         if is_varlen:
             batch = cu_seqlens_q.numel() - 1
             total_q, hq, d = q.shape
@@ -676,8 +679,16 @@ class PrefillPlan:
         # host sync) and any non-contiguous one copied, per call.
         self.offset_copy = tuple(isinstance(x, torch.Tensor) and (x.dim() == 0 or not x.is_contiguous())
                                  for x in (q_start, k_start))
+        self.lse_bytes = 4 * (batch * hq * max_seqlen_q if not is_varlen else hq * q.shape[0])
         if self.empty:
             return
+        # The Hopper kernel where its dispatch rule applies to this signature (the rule reads
+        # data pointers only for their 16-byte alignment, checked per call).
+        if (q.is_cuda and not _INTERPRET and _hopper_applies(q, k, v, causal, cu_seqlens_q,
+                                                              max_seqlen_q, config is not None)
+                and (hopper := _hopper_module()) is not None):
+            self.hopper = hopper.HopperLaunch(q, k, v, softmax_scale, causal, accumulate, q_start,
+                                              k_start, cu_seqlens_q, cu_seqlens_k, varlen_max_q)
         block_d = max(next_power_of_2(d), 16)
         # fp32: true fp32 FMA dots (~1e-6 error) instead of TF32; ignored for fp16/bf16.
         input_precision = "ieee" if q.dtype == torch.float32 else "tf32"
@@ -712,24 +723,24 @@ class PrefillPlan:
                  cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None,
                  accumulate: tuple[torch.Tensor, torch.Tensor] | None, device: int | None
                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(o, lse), or None when merging into `accumulate`. device: the current CUDA device
-        for a fast launch, None for Triton's path."""
-        hopper = _hopper_path(q, k, v, self.causal, cu_seqlens_q, self.max_seqlen_q,
-                              self.config_given)
-        if hopper is not None:
-            return hopper.hopper_attention_fwd(
-                q, k, v, softmax_scale=self.softmax_scale, causal=bool(self.causal),
-                q_start=q_start, k_start=k_start, cu_seqlens_q=cu_seqlens_q,
-                cu_seqlens_k=cu_seqlens_k, max_seqlen_q=self.max_seqlen_q, accumulate=accumulate)
+        """(o, lse), or None when merging into `accumulate`; lse is None when the plan was made
+        without return_lse and launched fast (it then goes to the stream's scratch). device: the
+        current CUDA device for a fast launch, None for Triton's path."""
+        hopper = self.hopper
+        if hopper is not None and ((q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15
+                                   or _prefill_kernel_choice() == "triton"):
+            hopper = None
         if accumulate is None:
             o = torch.empty(self.o_shape, dtype=self.dtype, device=q.device)
-            lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
+            lse = (torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
+                   if self.return_lse or device is None else None)
         else:
             o, lse = accumulate
         if self.launch is None:  # nothing to attend: the empty state, or an unchanged accumulator
             if accumulate is not None:
                 return None
-            lse.fill_(float("-inf"))
+            if lse is not None:
+                lse.fill_(float("-inf"))
             o.zero_()
             return o, lse
         if cu_seqlens_q is None:
@@ -739,14 +750,24 @@ class PrefillPlan:
             cu_q = cu_seqlens_q.contiguous() if self.cu_copy[0] else cu_seqlens_q
             cu_k = cu_seqlens_k.contiguous() if self.cu_copy[1] else cu_seqlens_k
             batch = cu_seqlens_q.shape[0] - 1
-        qs, ks = self._offset(q_start, 0, batch), self._offset(k_start, 1, batch)
-        if q.is_cuda:
-            _set_allocator()  # tensor descriptors made on the device need a little global scratch
         if device is None:
-            self.launch.generic(q, k, v, o, lse, qs, ks, cu_q, cu_k)
+            if hopper is not None:
+                hopper.generic(q, k, v, o, lse, q_start, k_start, cu_q, cu_k)
+            else:
+                qs, ks = self._offset(q_start, 0, batch), self._offset(k_start, 1, batch)
+                if q.is_cuda:
+                    _set_allocator()  # tensor descriptors made on the device need global scratch
+                self.launch.generic(q, k, v, o, lse, qs, ks, cu_q, cu_k)
+            return None if accumulate is not None else (o, lse)
+        lp = lse.data_ptr() if lse is not None else stream_scratch(self.lse_bytes, device,
+                                                                   "lse").data_ptr()
+        ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lp)
+        if hopper is not None:
+            hopper(ptrs, q_start, k_start, cu_q, cu_k, device)
         else:
-            self.launch((q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(),
-                         qs if type(qs) is int else qs.data_ptr(),
-                         ks if type(ks) is int else ks.data_ptr(),
-                         cu_q.data_ptr(), cu_k.data_ptr()), device)
+            qs, ks = self._offset(q_start, 0, batch), self._offset(k_start, 1, batch)
+            _set_allocator()
+            self.launch(ptrs + (qs if type(qs) is int else qs.data_ptr(),
+                                ks if type(ks) is int else ks.data_ptr(),
+                                cu_q.data_ptr(), cu_k.data_ptr()), device)
         return None if accumulate is not None else (o, lse)

@@ -11,15 +11,19 @@ Covers: bf16 / fp16, head_dim 64, 128 or 256, dense q [B, Sq, Hq, D], k/v [B, Sk
 varlen q [total_q, Hq, D], k/v [total_k, Hkv, D] with cu_seqlens, any GQA group, optionally
 merging into a running (O, LSE) state (the ring's fused merge, dense only).
 
-Tiles move by TMA, through one of two kinds of descriptors (`descriptor_mode`):
-  * host: 2-D descriptors [B * S, H * D] made on the host, one row per (batch, seq) row (needs
+Tiles move by TMA, through one of two kinds of descriptors:
+  * device (what longctx.attention runs): per program, a descriptor [seqlen, D] over one
+    (sequence, head) made on the device (`tma.make_tensor_descriptor`, 128 bytes of global
+    scratch each, the producer's Q / K / V and each consumer's O): rows past the sequence's end
+    are zero on loads and dropped on stores, whatever follows in memory. Every layout, varlen
+    and B > 1 with ragged lengths included; its launch arguments are data pointers and ints, so
+    a cached launch (`HopperLaunch`) costs a few µs of host time.
+  * host (`mode="host"`, for A/B timing where `descriptor_mode` says it is exact): 2-D
+    descriptors [B * S, H * D] made on the host per call, one row per (batch, seq) row (needs
     the heads of a row adjacent, `prefill._tma_rows`). Exact wherever no tile straddles two
     sequences: B == 1 (TMA zero-fills the rows past S on loads and drops them on stores) or Sq
-    and Sk multiples of the tiles. Nothing is made on the device.
-  * device: per program, a descriptor [seqlen, D] over one (sequence, head) made on the device
-    (`tma.make_tensor_descriptor`, 128 bytes of global scratch each, the producer's Q / K / V
-    and each consumer's O): rows past the sequence's end are zero on loads and dropped on
-    stores, whatever follows in memory. Varlen and B > 1 with ragged lengths.
+    and Sk multiples of the tiles. On an H200 (bench/check_prefill_hopper.py, 'dev/host') the
+    two measured within run-to-run spread of each other: 0.975-1.015 over 9 shapes.
 Key columns past seqlen_k are masked to -inf in the scores (their zero-filled V rows then meet
 P = 0); query rows past seqlen_q compute on zero rows and are never stored.
 
@@ -91,6 +95,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from longctx.kernels.launch import Launch
 from longctx.kernels.merge import _rescale, _state_lse
 from longctx.kernels.prefill import _offset_arg, _set_allocator, _tma_rows
 from longctx.kernels.prefill_tiles import (
@@ -138,8 +143,11 @@ def _program(CU_Q, CU_K, Q_START, K_START, SEQLEN_Q, SEQLEN_K, MAX_SEQLEN_Q, H_Q
     (`_key_tiles`). Producer and consumers both call this."""
     pid = gl.program_id(0)
     num_m = gl.cdiv(MAX_SEQLEN_Q, BLOCK_M)
-    if VARLEN:
+    if VARLEN and CAUSAL:
         # the heads and sequences of one query tile side by side, the last query tile first
+        # (the longest causal tiles start first). Without a mask the query tiles of one (sequence,
+        # head) stay adjacent, as dense, so that resident programs share K/V in the L2: heads
+        # first measured 0.90x the dense kernel's TFLOPS at 24/8 heads (8 sequences, 65536 rows).
         num_bh = gl.num_programs(0) // num_m
         bh = pid % num_bh
         m_tile = num_m - 1 - pid // num_bh
@@ -406,14 +414,15 @@ def _consumer(q_smem, k_smem, v_smem, bars, o_desc, O, LSE, CU_Q, CU_K, Q_START,
 
 @gluon.jit(do_not_specialize=["Q_START", "K_START", "SEQLEN_Q", "SEQLEN_K", "MAX_SEQLEN_Q"])
 def _attn_fwd_hopper_kernel(
-    q_desc,                   # host mode: TMA descriptor over [B * Sq, Hq * D], [64, D] boxes
-    k_desc, v_desc,           # host mode: over [B * Sk, Hkv * D], [BLOCK_N, D] boxes
-    o_desc,                   # host mode: like q_desc over O; device mode / ACCUMULATE: None
+    # What changes from call to call leads (a Launch's dynamic arguments, kernels/launch.py):
     Q, K, V,                  # q / k / v (device mode: the descriptors' bases)
     O,                        # output (device mode's O descriptors) or ACCUMULATE's O_ACC
     LSE,                      # float32 output [B, Hq, Sq] / [Hq, total_q], or ACCUMULATE's state
-    CU_Q, CU_K,               # VARLEN: int32 [B + 1] sequence starts; else None
     Q_START, K_START,         # CAUSAL: ints or int32/int64 [B] pointers (*_IS_TENSOR)
+    CU_Q, CU_K,               # VARLEN: int32 [B + 1] sequence starts; else None
+    q_desc,                   # host mode: TMA descriptor over [B * Sq, Hq * D], [64, D] boxes
+    k_desc, v_desc,           # host mode: over [B * Sk, Hkv * D], [BLOCK_N, D] boxes
+    o_desc,                   # host mode: like q_desc over O; device mode / ACCUMULATE: None
     stride_qb, stride_qs, stride_qh,   # element strides (head_dim's is 1; batch's 0 for varlen)
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -502,6 +511,20 @@ def _rows_desc(x: torch.Tensor, block_rows: int) -> TensorDescriptor:
                             _smem_layout(block_rows, d, x.dtype))
 
 
+def _kernel_offsets(causal: bool, q_start: int | torch.Tensor, k_start: int | torch.Tensor,
+                    batch: int, device: torch.device) -> tuple:
+    """(Q_START, Q_START_IS_TENSOR, K_START, K_START_IS_TENSOR) as the kernel takes them: two
+    ints become one clamped delta (no 64-bit parameters, one specialisation); without causal the
+    offsets are ignored."""
+    if not causal:
+        return 0, False, 0, False
+    qs, qs_t = _offset_arg(q_start, batch, device, "q_start")
+    ks, ks_t = _offset_arg(k_start, batch, device, "k_start")
+    if not (qs_t or ks_t):
+        qs, ks = max(-DELTA_LIMIT, min(DELTA_LIMIT, qs - ks)), 0
+    return qs, qs_t, ks, ks_t
+
+
 def launch_args(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -517,18 +540,19 @@ def launch_args(
     mode: str | None = None,
 ) -> tuple[tuple[int], tuple, dict, tuple[torch.Tensor, torch.Tensor] | None]:
     """(grid, args, constexpr kwargs, (o, lse) or None) of one kernel launch; allocates o and lse
-    unless accumulating. mode: "host" / "device" descriptors (default: `descriptor_mode`).
+    unless accumulating. mode: "device" (default) or "host" descriptors (where
+    `descriptor_mode` says they are exact).
     Shared with bench/compile_prefill_hopper.py, which compiles exactly the specialisations that
     launches with given tensors get. q_start / k_start: ints or [B] int32/int64 tensors on
     q's device (causal only; without causal they are ignored)."""
     varlen = cu_seqlens_q is not None
     if varlen and (cu_seqlens_k is None or max_seqlen_q is None):
         raise ValueError("varlen needs cu_seqlens_k and max_seqlen_q (it sizes the grid)")
-    exact = descriptor_mode(q, k, v, varlen)
-    if mode not in (None, "host", "device") or (mode == "host" and exact != "host"):
+    if mode not in (None, "host", "device") or (
+            mode == "host" and descriptor_mode(q, k, v, varlen) != "host"):
         raise ValueError(f"mode must be None, 'device' or, where the host descriptors are exact "
                          f"for this call, 'host'; got {mode!r}")
-    mode = mode or exact
+    mode = mode or "device"
     if varlen:
         cu_seqlens_q, cu_seqlens_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
         total_q, hq, d = q.shape
@@ -564,14 +588,8 @@ def launch_args(
     descs = ((_rows_desc(q, WG_ROWS), _rows_desc(k, bn), _rows_desc(v, bn),
               _rows_desc(o, WG_ROWS) if accumulate is None else None) if host
              else (None, None, None, None))
-    if causal:
-        qs, qs_t = _offset_arg(q_start, batch, q.device, "q_start")
-        ks, ks_t = _offset_arg(k_start, batch, q.device, "k_start")
-        if not (qs_t or ks_t):  # one clamped int: no 64-bit parameters, one specialisation
-            qs, ks = max(-DELTA_LIMIT, min(DELTA_LIMIT, qs - ks)), 0
-    else:
-        qs, qs_t, ks, ks_t = 0, False, 0, False
-    args = (*descs, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, qs, ks,
+    qs, qs_t, ks, ks_t = _kernel_offsets(causal, q_start, k_start, batch, q.device)
+    args = (q, k, v, o, lse, qs, ks, cu_seqlens_q, cu_seqlens_k, *descs,
             sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, *o_strides, *l_strides,
             float(softmax_scale) * _LOG2E, sq, sk, max_seqlen_q, hq, hq // hkv)
     meta = dict(BLOCK_M=BLOCK_M, BLOCK_N=bn, HEAD_DIM=d, NUM_STAGES=NUM_STAGES,
@@ -583,6 +601,50 @@ def launch_args(
                 num_warps=NUM_WARPS)
     grid = (batch * hq * -(-max_seqlen_q // BLOCK_M),)
     return grid, args, meta, out
+
+
+class HopperLaunch:
+    """The Gluon kernel's launch for one input signature (device-side descriptors), computed once:
+    what `longctx.kernels.prefill.PrefillPlan` runs where the Hopper dispatch applies. Built like
+    `launch_args` (whose launch it is) from the shapes, strides, dtypes, flags and the offsets'
+    types; a call passes the data pointers and offsets (kernels/launch.py's Launch)."""
+
+    __slots__ = ("launch", "causal", "varlen", "batch")
+
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
+                 causal: bool, accumulate: tuple[torch.Tensor, torch.Tensor] | None,
+                 q_start: int | torch.Tensor, k_start: int | torch.Tensor,
+                 cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None,
+                 max_seqlen_q: int | None) -> None:
+        grid, args, meta, _ = launch_args(q, k, v, softmax_scale, causal, accumulate, q_start,
+                                          k_start, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                          mode="device")
+        self.causal, self.varlen = bool(causal), cu_seqlens_q is not None
+        self.batch = cu_seqlens_q.numel() - 1 if self.varlen else q.shape[0]
+        n = 9 if self.varlen else 7  # Q, K, V, O, LSE, Q_START, K_START[, CU_Q, CU_K]
+        dyn_dtypes = [x.dtype if isinstance(x, torch.Tensor) else None for x in args[:n]]
+        self.launch = Launch(_attn_fwd_hopper_kernel, grid, dyn_dtypes, args[n:], meta)
+
+    def generic(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                lse: torch.Tensor, q_start: int | torch.Tensor, k_start: int | torch.Tensor,
+                cu_q: torch.Tensor | None, cu_k: torch.Tensor | None) -> None:
+        """Launch into o / lse (or the accumulator) through Triton's path."""
+        qs, _, ks, _ = _kernel_offsets(self.causal, q_start, k_start, self.batch, q.device)
+        _set_allocator()  # descriptors made on the device need 128 bytes of global scratch each
+        self.launch.generic(q, k, v, o, lse, qs, ks, *((cu_q, cu_k) if self.varlen else ()))
+
+    def __call__(self, ptrs: tuple[int, int, int, int, int], q_start: int | torch.Tensor,
+                 k_start: int | torch.Tensor, cu_q: torch.Tensor | None,
+                 cu_k: torch.Tensor | None, device: int) -> None:
+        """Launch on CUDA device `device` (the current one): ptrs = the data pointers of q, k, v,
+        o (or the accumulator's O) and the LSE."""
+        qs, qs_t, ks, ks_t = _kernel_offsets(self.causal, q_start, k_start, self.batch,
+                                             torch.device("cuda", device))
+        _set_allocator()
+        dyn = ptrs + (qs.data_ptr() if qs_t else qs, ks.data_ptr() if ks_t else ks)
+        if self.varlen:
+            dyn += (cu_q.data_ptr(), cu_k.data_ptr())
+        self.launch(dyn, device)
 
 
 def hopper_attention_fwd(
@@ -613,8 +675,8 @@ def hopper_attention_fwd(
 
     Only for the inputs that `longctx.kernels.prefill.hopper_kernel_applies` accepts (TMA-
     addressable rows, see the module docstring); the launch does not re-check them. mode:
-    "host" / "device" descriptors, for A/B timing (default `descriptor_mode`; "host" only where
-    that says so).
+    "device" (the default: descriptors made on the device, what longctx.attention runs) or
+    "host" descriptors, for A/B timing where `descriptor_mode` says they are exact.
 
     accumulate (dense only): (o_acc [B, Sq, Hq, D] float32, lse_acc [B, Sq, Hq] float32), a
     running state as `longctx.merge.merge_into` keeps it; the result is merged into it in place

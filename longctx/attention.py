@@ -91,7 +91,7 @@ def attention(
         try:
             sig = kl.signature
             key = (dev, sig(q), sig(k), sig(v), causal, softmax_scale, sig(q_start), sig(k_start),
-                   sig(cu_seqlens_q), sig(cu_seqlens_k), max_seqlen_q, max_seqlen_k)
+                   sig(cu_seqlens_q), sig(cu_seqlens_k), max_seqlen_q, max_seqlen_k, return_lse)
             plan = _PLANS.get(key)
         except TypeError:  # unhashable: validation says what is wrong
             key = plan = None
@@ -103,7 +103,8 @@ def attention(
             plan = _kp.PrefillPlan(q, k, v, softmax_scale=scale, causal=causal, q_start=q_start,
                                    k_start=k_start, cu_seqlens_q=cu_seqlens_q,
                                    cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                                   max_seqlen_k=max_seqlen_k, accumulate=None, config=None)
+                                   max_seqlen_k=max_seqlen_k, accumulate=None, config=None,
+                                   return_lse=return_lse)
             if key is not None:
                 kl.remember(_PLANS, key, plan)
         o, lse = plan(q, k, v, q_start, k_start, cu_seqlens_q, cu_seqlens_k, None, dev)

@@ -77,6 +77,9 @@ def interp_fast(monkeypatch):
     monkeypatch.setattr(L, "_INTERPRET", False)
     monkeypatch.setattr(L, "current_device", lambda: 0)
     monkeypatch.setattr(L, "_stream", lambda device: 0)
+    monkeypatch.setattr(L, "_capturing", lambda: False)
+    monkeypatch.setattr(L, "_scratch_device", lambda device: torch.device("cpu"))
+    monkeypatch.setattr(L, "_scratch", {})
     monkeypatch.setattr(L, "_fetch_binary", rec.fetch)
     _clear_plans()
     with force_triton():
@@ -368,3 +371,22 @@ def test_plan_cache_is_bounded(interp_fast, monkeypatch):
     for b in range(5):
         longctx.decode(torch.randn(1, 2, 16), k, k, num_splits=1, softmax_scale=0.1 + b)
         assert len(api_decode._PLANS) == b % 3 + 1
+
+
+def test_stream_scratch_reuse_growth_and_capture(monkeypatch):
+    """stream_scratch: one buffer per (device, stream, slot), reused while large enough, grown
+    when not; while a graph is captured, a fresh allocation every time."""
+    monkeypatch.setattr(L, "_scratch", {})
+    monkeypatch.setattr(L, "_scratch_device", lambda device: torch.device("cpu"))
+    monkeypatch.setattr(L, "_capturing", lambda: False)
+    a = L.stream_scratch(100, 0, "x", stream=7)
+    assert a.numel() >= 100 and a.dtype == torch.uint8
+    assert L.stream_scratch(100, 0, "x", stream=7) is a
+    assert L.stream_scratch(100, 0, "x", stream=8) is not a
+    assert L.stream_scratch(100, 0, "y", stream=7) is not a
+    big = L.stream_scratch(a.numel() + 1, 0, "x", stream=7)
+    assert big is not a and big.numel() > a.numel()
+    assert L.stream_scratch(10, 0, "x", stream=7) is big
+    monkeypatch.setattr(L, "_capturing", lambda: True)
+    c1, c2 = (L.stream_scratch(10, 0, "x", stream=7) for _ in range(2))
+    assert c1 is not big and c2 is not c1

@@ -263,3 +263,73 @@ def test_launch_hook_takes_the_generic_path():
         knobs.runtime.launch_enter_hook.remove(hook)
     assert any("decode" in name for name in seen), seen
     _same(o, o_hooked)
+
+
+hopper_only = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+    reason="needs an sm_90 (Hopper) GPU")
+
+
+@hopper_only
+@pytest.mark.parametrize("case", ["causal", "dense_b2", "offsets", "varlen", "merge"])
+def test_hopper_plan_fast_is_generic(case):
+    """The Gluon kernel's cached launch (HopperLaunch) gives the generic path's bits, with and
+    without the LSE, and a call made under LONGCTX_PREFILL_KERNEL=triton takes the Triton kernel
+    from the same plan."""
+    from longctx.kernels import prefill_hopper as PH
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    mk = lambda *s: torch.randn(*s, device="cuda", generator=g).to(torch.bfloat16)  # noqa: E731
+    before = set(api_attention._PLANS)
+    if case == "varlen":
+        lens = [3000, 17, 0, 2200]
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32,
+                          device="cuda")
+        q, k, v = mk(sum(lens), 16, 128), mk(sum(lens), 2, 128), mk(sum(lens), 2, 128)
+        kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=3000, max_seqlen_k=3000,
+                  causal=True)
+    else:
+        B, S = (2, 3000) if case == "dense_b2" else (1, 4225)
+        q, k, v = mk(B, S, 16, 128), mk(B, S, 2, 128), mk(B, S, 2, 128)
+        kw = dict(causal=case != "dense_b2")
+        if case == "offsets":
+            kw.update(q_start=torch.tensor([300], device="cuda"), k_start=7)
+    if case == "merge":
+        o0, l0 = torch.randn(1, 4225, 16, 128, device="cuda"), torch.randn(1, 4225, 16, device="cuda")
+        states = []
+        for fn in (longctx.attention_merge_into,
+                   lambda *a, **k2: _generic(longctx.attention_merge_into, *a, **k2)):
+            o_acc, lse_acc = o0.clone(), l0.clone()
+            fn(o_acc, lse_acc, q, k, v, **kw)
+            states.append((o_acc, lse_acc))
+        _same(*states)
+        return
+    fast = longctx.attention(q, k, v, return_lse=True, **kw)
+    plan = _plan(api_attention._PLANS, before)
+    assert isinstance(plan.hopper, PH.HopperLaunch)
+    _same(fast, _generic(longctx.attention, q, k, v, return_lse=True, **kw))
+    _same(longctx.attention(q, k, v, **kw), fast[0])  # without the LSE (stream scratch)
+    keys = set(api_attention._PLANS)
+    import os
+    os.environ["LONGCTX_PREFILL_KERNEL"] = "triton"
+    try:
+        triton_run = longctx.attention(q, k, v, return_lse=True, **kw)
+    finally:
+        del os.environ["LONGCTX_PREFILL_KERNEL"]
+    assert set(api_attention._PLANS) == keys  # the same plan, its Triton launch
+    torch.testing.assert_close(triton_run[0], fast[0], atol=2e-2, rtol=2e-2)
+
+
+def test_stream_scratch_per_stream_and_fresh_in_capture():
+    """One buffer per (stream, slot), reused; a capture gets its own allocation."""
+    dev = torch.cuda.current_device()
+    a = L.stream_scratch(1000, dev, "t")
+    assert L.stream_scratch(500, dev, "t").data_ptr() == a.data_ptr()
+    assert L.stream_scratch(500, dev, "u").data_ptr() != a.data_ptr()
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        assert L.stream_scratch(500, dev, "t").data_ptr() != a.data_ptr()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=s):
+            inside = L.stream_scratch(500, dev, "t")
+        assert inside.data_ptr() != L.stream_scratch(500, dev, "t").data_ptr()
