@@ -364,7 +364,9 @@ class DecodePlan:
             slp = qp if cache_seqlens is None else cache_seqlens.data_ptr()
             btp = slp if block_table is None else block_table.data_ptr()
             # The partials (and an LSE nobody asked for) in this stream's scratch: no allocation.
-            base = stream_scratch(4 * self.scratch, device, "decode").data_ptr() if self.scratch else 0
+            # Held until the launches are queued (inside a graph capture it is an allocation).
+            scratch = stream_scratch(4 * self.scratch, device, "decode") if self.scratch else None
+            base = 0 if scratch is None else scratch.data_ptr()
             lp = base + 4 * self.lse_off if lse is None else lse.data_ptr()
             op = o.data_ptr()
             if self.merge is None:

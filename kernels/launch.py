@@ -115,7 +115,8 @@ def stream_scratch(nbytes: int, device: int, slot: str, stream: int | None = Non
     `pdl_wait`, which returns once the kernel before them has completed. (The caching allocator
     relies on the same stream order when it hands a freed block to the next allocation on that
     stream.) While the current stream is capturing a CUDA graph it allocates instead, so that
-    every graph owns its buffers and two graphs replayed concurrently never share one.
+    every graph owns its buffers and two graphs replayed concurrently never share one: callers
+    must then hold the returned tensor until their launches are queued, as for any temporary.
     """
     if _capturing():
         return torch.empty(nbytes, dtype=torch.uint8, device=_scratch_device(device))

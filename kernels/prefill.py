@@ -759,9 +759,10 @@ class PrefillPlan:
                     _set_allocator()  # tensor descriptors made on the device need global scratch
                 self.launch.generic(q, k, v, o, lse, qs, ks, cu_q, cu_k)
             return None if accumulate is not None else (o, lse)
-        lp = lse.data_ptr() if lse is not None else stream_scratch(self.lse_bytes, device,
-                                                                   "lse").data_ptr()
-        ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lp)
+        # Held until the launch is queued: inside a graph capture stream_scratch allocates, and a
+        # buffer dropped earlier could be handed to the launch's own scratch (overlapping it).
+        lse_buf = lse if lse is not None else stream_scratch(self.lse_bytes, device, "lse")
+        ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse_buf.data_ptr())
         if hopper is not None:
             hopper(ptrs, q_start, k_start, cu_q, cu_k, device)
         else:

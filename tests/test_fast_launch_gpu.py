@@ -282,11 +282,11 @@ def test_hopper_plan_fast_is_generic(case):
     mk = lambda *s: torch.randn(*s, device="cuda", generator=g).to(torch.bfloat16)  # noqa: E731
     before = set(api_attention._PLANS)
     if case == "varlen":
-        lens = [3000, 17, 0, 2200]
+        lens = [5000, 17, 0, 4200]  # causal varlen: the Gluon kernel from 2048 rows on average
         cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32,
                           device="cuda")
         q, k, v = mk(sum(lens), 16, 128), mk(sum(lens), 2, 128), mk(sum(lens), 2, 128)
-        kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=3000, max_seqlen_k=3000,
+        kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=5000, max_seqlen_k=5000,
                   causal=True)
     else:
         B, S = (2, 3000) if case == "dense_b2" else (1, 4225)
@@ -333,3 +333,25 @@ def test_stream_scratch_per_stream_and_fresh_in_capture():
         with torch.cuda.graph(g, stream=s):
             inside = L.stream_scratch(500, dev, "t")
         assert inside.data_ptr() != L.stream_scratch(500, dev, "t").data_ptr()
+
+
+@pytest.mark.parametrize("rows", [512, 2048])  # the Triton kernel; on sm_90 the Gluon kernel
+def test_attention_cuda_graph_with_fast_launches(rows):
+    """Several attention calls without the LSE captured in one graph (the LSE and the TMA
+    descriptors then live in allocations made during the capture) replay to the eager bits."""
+    q = torch.randn(1, rows, 16, 128, dtype=torch.bfloat16, device="cuda")
+    kv = [torch.randn(1, rows, 2, 128, dtype=torch.bfloat16, device="cuda") for _ in range(6)]
+    calls = lambda: [longctx.attention(q, kv[2 * i], kv[2 * i + 1], causal=True)  # noqa: E731
+                     for i in range(3)]
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        calls()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        outs = calls()
+    q.copy_(torch.randn_like(q))
+    g.replay()
+    for o, want in zip(outs, calls(), strict=True):
+        _same(o, want)
