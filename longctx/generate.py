@@ -6,8 +6,9 @@ token. Elsewhere the same step runs eagerly.
 
 Tokens are picked by the model's `sampler` attribute when it has one, else by `sample`: a
 callable (logits, temperature, top_p) -> [B] int64 over what the model's prefill and
-decode_step return. longctx.parallel sets it where those logits are a rank's vocabulary shard
-(tensor parallelism), so the full vocabulary never has to be gathered for sampling.
+decode_step return, giving the same tokens on every rank and capturable in a CUDA graph.
+longctx.parallel sets it where those logits are a rank's vocabulary shard (tensor parallelism),
+so the full vocabulary never has to be gathered for sampling.
 """
 
 from __future__ import annotations

@@ -18,13 +18,14 @@ capturable in a CUDA graph (fixed shapes, no host sync).
   differently, ~1e-7 relative; a token whose probability underflows to 0 in float32 can still
   win here, with probability below 1e-38).
 - top_p < 1: the nucleus needs the global order of the probabilities. An exact scheme without
-  the vocabulary (a k-ary search for the probability threshold: per round each rank sums its
-  probability mass above k candidate thresholds, one all-reduce of [B, k] float32) takes
-  ceil(31 / log2 k) rounds -- 4 all-reduces of 1 KB per row at k = 256, ~4 x 10 µs of latency
-  plus 4 rounds of small kernels -- whereas gathering the logits is one all-gather of
-  B x V x 4 bytes (128 KB at B = 1, V = 32000; one ~10-20 µs NCCL call over NVLink). The
-  gather is cheaper at decode batch sizes, so top_p < 1 gathers the logits and calls `sample`
-  on them: the tokens are bit for bit today's.
+  the vocabulary -- a k-ary search for the probability threshold, each round every rank summing
+  its probability mass above k candidate thresholds and one all-reduce of [B, k] float32 --
+  takes ceil(31 / log2 k) rounds: 4 all-reduces of B x 1 KB at k = 256, each a latency-bound
+  collective (6.7-13.4 µs in a CUDA graph on 2x H200, bench/allreduce.py) after its own small
+  kernels, so ~30-60 µs per step. Gathering the logits is one all-gather of B x V x 4 bytes
+  (128 KB at B = 1, V = 32000), as latency-bound at decode batch sizes (64 KB cross NVLink in
+  well under 1 µs): one collective instead of four. So top_p < 1 gathers the logits and calls
+  `sample` on them: the tokens are bit for bit today's.
 
 Per decode step and rank at tp = 2, V = 32000 (CodeLlama-34B), batch B:
 
