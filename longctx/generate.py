@@ -3,11 +3,18 @@
 On CUDA the whole decode step (every layer, the collectives that parallelism added, sampling,
 advancing the position) is captured once in a CUDA graph and replayed; the host never waits on a
 token. Elsewhere the same step runs eagerly.
+
+Tokens are picked by the model's `sampler` attribute when it has one, else by `sample`: a
+callable (logits, temperature, top_p) -> [B] int64 over what the model's prefill and
+decode_step return, giving the same tokens on every rank and capturable in a CUDA graph.
+longctx.parallel sets it where those logits are a rank's vocabulary shard (tensor parallelism),
+so the full vocabulary never has to be gathered for sampling.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +43,15 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0) -
     return (probs / noise).argmax(dim=-1)
 
 
+# (logits, temperature, top_p) -> next token per row [B] int64; `sample` is the default.
+Sampler = Callable[[torch.Tensor, float, float], torch.Tensor]
+
+
+def model_sampler(model: Transformer) -> Sampler:
+    """The model's `sampler` attribute if it has one, else `sample`."""
+    return getattr(model, "sampler", None) or sample
+
+
 class DecodeStep:
     """One decode step over static buffers: feed `tokens` [B] at `pos` [B], sample the next
     token into column `col` of `out` [B, gen_len], advance. On CUDA it is captured in a graph."""
@@ -44,6 +60,7 @@ class DecodeStep:
                  temperature: float, top_p: float, cuda_graph: bool) -> None:
         B, dev = first.shape[0], first.device
         self.model, self.temperature, self.top_p = model, temperature, top_p
+        self.sampler = model_sampler(model)
         self.tokens = first.clone()                                    # [B] int64
         self.pos = torch.full((B,), prompt_len, dtype=torch.int64, device=dev)  # [B] int64
         self.out = torch.zeros(B, gen_len, dtype=torch.int64, device=dev)
@@ -55,7 +72,7 @@ class DecodeStep:
 
     def _step(self) -> None:
         logits = self.model.decode_step(self.tokens, self.pos)
-        nxt = sample(logits, self.temperature, self.top_p)
+        nxt = self.sampler(logits, self.temperature, self.top_p)
         self.out.index_copy_(1, self.col, nxt[:, None])
         self.tokens.copy_(nxt)
         self.pos.add_(1)
@@ -135,7 +152,7 @@ def generate(model: Transformer, prompt: torch.Tensor, gen_len: int, *,
         sync()
         t0 = time.perf_counter()
         logits = model.prefill(prompt, positions, chunk=prefill_chunk)
-        first = sample(logits, temperature, top_p)
+        first = model_sampler(model)(logits, temperature, top_p)
         sync()
         prefill_s = time.perf_counter() - t0
         gen = _decode(model, first, P, gen_len, temperature, top_p, cuda_graph, progress)

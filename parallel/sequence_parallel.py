@@ -140,8 +140,9 @@ def apply_sequence_parallel(model: Transformer, group) -> None:
     """Shard `model`'s KV caches by position over the ranks of `group` (call before
     setup_caches) and make `model.prefill(tokens, input_pos, chunk=None)` take whole prompts:
     tokens [B, P] at positions start..start+P-1 (input_pos), identical on every rank, returning
-    the last position's logits [B, V] on every rank. start is 0, or a multiple of 2 sp after a
-    prefill that has put positions [0, start) in the caches.
+    the last position's logits on every rank: [B, V], or with tensor parallelism as well the tp
+    rank's vocabulary shard [B, V/tp]. start is 0, or a multiple of 2 sp after a prefill that
+    has put positions [0, start) in the caches.
 
     The longest part that the zigzag layout splits evenly (n = P - P % (2 sp) positions) runs in
     chunks of `chunk` positions (a multiple of 2 sp; None: one chunk), each rank running the

@@ -1,6 +1,9 @@
 """Tensor parallelism applied to a built Transformer (gpt-fast style): slice weights, add
 collectives. Attention heads and the MLP are column-parallel in, row-parallel out with one
-all-reduce each; the embedding and LM head are split by vocabulary.
+all-reduce each; the embedding and LM head are split by vocabulary. The LM head's logits stay
+split: the model's prefill and decode_step return this rank's shard [B, V/tp], and the sampler
+installed on the model (longctx.parallel.sampling) picks tokens from the shards without gathering
+the vocabulary (`full_logits` gathers them where a caller needs them).
 
 Works on a model on the meta device (the returned ShardPlan tells load_weights which slice each
 rank reads) as well as on a model with real weights (slicing them).
@@ -16,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from longctx.model import FusedLinear, Transformer
+from longctx.parallel.sampling import VocabParallelSampler
 from longctx.weights import Shard, ShardPlan
 
 log = logging.getLogger("longctx")
@@ -78,16 +82,6 @@ def _all_reduce_hook(group, symmetric: SymmetricMemoryAllReduce | None):
     return hook
 
 
-def _all_gather_last_dim_hook(group):
-    def hook(_module, _inputs, out):
-        tp = dist.get_world_size(group)
-        flat = torch.empty(tp * out.numel(), dtype=out.dtype, device=out.device)
-        dist.all_gather_into_tensor(flat, out.contiguous().view(-1), group=group)
-        # [tp, ..., V/tp] -> [..., tp * V/tp]: rank r holds vocabulary rows r*V/tp ...
-        return flat.view(tp, *out.shape).movedim(0, -2).reshape(*out.shape[:-1], -1)
-    return hook
-
-
 class VocabParallelEmbedding(nn.Module):
     """Embedding rows [vocab_start, vocab_start + rows) of the vocabulary; ids outside that range
     give zeros, and an all-reduce over the group completes every row."""
@@ -120,6 +114,8 @@ def apply_tensor_parallel(model: Transformer, group, device: torch.device | None
     Rank r keeps query heads [r*Hq/tp, (r+1)*Hq/tp) and the KV heads they read: a tp-th of the KV
     heads, or, when tp > Hkv, the one KV head of its query heads (replicated on tp/Hkv ranks).
     Call before setup_caches (the caches are sized from the attention's sliced head counts).
+    Afterwards the model's logits are rank r's vocabulary shard [B, V/tp] (tokens
+    [r V/tp, (r+1) V/tp)) and `model.sampler` a VocabParallelSampler that longctx.generate uses.
     On CUDA (`device`, with the weights' `dtype`) the row-parallel all-reduces of decode steps go
     through symmetric memory where torch provides it (SymmetricMemoryAllReduce), else NCCL.
     """
@@ -179,5 +175,5 @@ def apply_tensor_parallel(model: Transformer, group, device: torch.device | None
         _narrow(model.embed_tokens.weight, vocab).data, vocab.start, group)
     plan["embed_tokens.weight"] = vocab
     shard_linear("lm_head", model.lm_head, vocab)
-    model.lm_head.register_forward_hook(_all_gather_last_dim_hook(group))
+    model.sampler = VocabParallelSampler(group, args.vocab_size)
     return plan

@@ -9,6 +9,7 @@ from longctx.config import ModelArgs
 from longctx.generate import generate
 from longctx.parallel.build import build_model
 from longctx.parallel.mesh import ParallelDims
+from longctx.parallel.sampling import full_logits
 from longctx.weights import HFCheckpoint, RandomWeights
 from tests.checkpoint_utils import write_checkpoint
 from tests.dist_utils import run_distributed
@@ -36,12 +37,12 @@ def _compare(args, mesh, weights=None, prompt_len=PROMPT, chunk=None) -> None:
     ref, par = _build(args, None, None, prompt_len), _build(args, mesh, weights, prompt_len)
     with torch.no_grad():
         pos = torch.arange(prompt_len)
-        torch.testing.assert_close(par.prefill(prompt, pos, chunk=chunk), ref.prefill(prompt, pos),
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(full_logits(par, par.prefill(prompt, pos, chunk=chunk)),
+                                   ref.prefill(prompt, pos), rtol=1e-5, atol=1e-5)
         for i in range(3):  # decode logits at a few positions past the prompt
             tok, p = prompt[:, i], torch.full((BATCH,), prompt_len + i)
-            torch.testing.assert_close(par.decode_step(tok, p), ref.decode_step(tok, p),
-                                       rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(full_logits(par, par.decode_step(tok, p)),
+                                       ref.decode_step(tok, p), rtol=1e-5, atol=1e-5)
     # Fresh caches: greedy generation end to end.
     ref.setup_caches(BATCH, prompt_len + GEN)
     par.setup_caches(BATCH, prompt_len + GEN)
@@ -93,7 +94,7 @@ def _compare_synthetic(args, mesh, context_len) -> None:
     with torch.no_grad():
         for i in range(GEN):
             p = torch.full((BATCH,), context_len + i)
-            torch.testing.assert_close(par.decode_step(prompt[:, i], p),
+            torch.testing.assert_close(full_logits(par, par.decode_step(prompt[:, i], p)),
                                        ref.decode_step(prompt[:, i], p), rtol=1e-5, atol=1e-5)
 
 
