@@ -298,6 +298,8 @@ def stub_breakdown(shape: tuple[int, int], n: int = 20000) -> dict:
     api = importlib.import_module("longctx.decode")
     L.current_device = lambda: 0
     L._stream = lambda device: 0
+    L._capturing = lambda: False
+    L._scratch_device = lambda device: torch.device("cpu")
     launched = []
     L._fetch_binary = lambda stand_ins, launch: (lambda stream, args: launched.append(len(args)))
     backend._forced = True  # CPU tensors take the Triton path; launches are stubbed
@@ -329,9 +331,9 @@ def stub_breakdown(shape: tuple[int, int], n: int = 20000) -> dict:
         "fast_launch_active + current_device": us(
             lambda: (L.fast_launch_active(), L.current_device())),
         "cache key (devices, dtypes, shapes, strides, PDL flag) + dict lookup": us(lookup),
-        "allocations (output + scratch; CPU torch.empty)": us(
-            lambda: (torch.empty(plan.o_shape, dtype=plan.dtype, device=q.device),
-                     torch.empty(plan.scratch, dtype=torch.float32, device=q.device))),
+        "output allocation (CPU torch.empty)": us(
+            lambda: torch.empty(plan.o_shape, dtype=plan.dtype, device=q.device)),
+        "stream scratch (partials)": us(lambda: L.stream_scratch(4 * plan.scratch, 0, "decode")),
         "data pointers (6) + dynamic-argument tuple": us(
             lambda: (q.data_ptr(), k.data_ptr(), v.data_ptr(), lens.data_ptr(), scratch.data_ptr(),
                      o.data_ptr())),
