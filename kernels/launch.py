@@ -177,8 +177,9 @@ def spec_code(dyn: Sequence, dyn_dtypes: Sequence[torch.dtype | None]) -> int:
 
 def _direct_runner(ck, grid: tuple[int, int, int]) -> Callable[[int, tuple], None]:
     """launch(stream, args) for compiled kernel `ck`: straight into the C launcher Triton built
-    for it where that is the CUDA launcher and the kernel needs no scratch memory (else through
-    the launcher object, which allocates the scratch as in Triton's own launches)."""
+    for it where that is the CUDA launcher, else through the launcher object as Triton calls it.
+    A kernel that needs global scratch (TMA descriptors made on the device) gets the same bytes
+    Triton's launcher would ask its allocator for, from the launch stream's `stream_scratch`."""
     launcher = ck.run  # first access loads the module into the current device's context
     g0, g1, g2 = grid
     try:
@@ -186,15 +187,23 @@ def _direct_runner(ck, grid: tuple[int, int, int]) -> Callable[[int, tuple], Non
     except ImportError:  # another backend: its launcher object, called as Triton calls it
         CudaLauncher = None
     if (CudaLauncher is not None and type(launcher) is CudaLauncher
-            and not launcher.global_scratch_size and not launcher.profile_scratch_size):
+            and not launcher.profile_scratch_size):
         c_launch = launcher.launch
         # The C launcher's leading arguments: grid, stream, function, cooperative-grid and PDL
-        # flags, the two scratch pointers, packed metadata, launch metadata, enter/exit hooks.
-        mid = (ck.function, launcher.launch_cooperative_grid, launcher.launch_pdl, None, None,
-               ck.packed_metadata, None, None, None)
+        # flags, the two scratch buffers, packed metadata, launch metadata, enter/exit hooks.
+        head = (ck.function, launcher.launch_cooperative_grid, launcher.launch_pdl)
+        tail = (None, ck.packed_metadata, None, None, None)
+        if launcher.global_scratch_size:
+            nbytes = g0 * g1 * g2 * launcher.num_ctas * launcher.global_scratch_size
 
-        def run(stream: int, args: tuple) -> None:
-            c_launch(g0, g1, g2, stream, *mid, *args)
+            def run(stream: int, args: tuple) -> None:
+                scratch = stream_scratch(nbytes, torch._C._cuda_getDevice(), "tma", stream)
+                c_launch(g0, g1, g2, stream, *head, scratch, *tail, *args)
+        else:
+            mid = head + (None,) + tail
+
+            def run(stream: int, args: tuple) -> None:
+                c_launch(g0, g1, g2, stream, *mid, *args)
     else:
         mid = (ck.function, ck.packed_metadata, None, None, None)
 

@@ -763,11 +763,11 @@ class PrefillPlan:
         # buffer dropped earlier could be handed to the launch's own scratch (overlapping it).
         lse_buf = lse if lse is not None else stream_scratch(self.lse_bytes, device, "lse")
         ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse_buf.data_ptr())
+        _set_allocator()  # the launch's descriptor scratch, should it take Triton's path
         if hopper is not None:
-            hopper(ptrs, q_start, k_start, cu_q, cu_k, device)
+            hopper(ptrs, q_start, k_start, cu_q, cu_k, q.device, device)
         else:
             qs, ks = self._offset(q_start, 0, batch), self._offset(k_start, 1, batch)
-            _set_allocator()
             self.launch(ptrs + (qs if type(qs) is int else qs.data_ptr(),
                                 ks if type(ks) is int else ks.data_ptr(),
                                 cu_q.data_ptr(), cu_k.data_ptr()), device)

@@ -629,12 +629,11 @@ class HopperLaunch:
 
     def __call__(self, ptrs: tuple[int, int, int, int, int], q_start: int | torch.Tensor,
                  k_start: int | torch.Tensor, cu_q: torch.Tensor | None,
-                 cu_k: torch.Tensor | None, device: int) -> None:
-        """Launch on CUDA device `device` (the current one): ptrs = the data pointers of q, k, v,
-        o (or the accumulator's O) and the LSE."""
-        qs, qs_t, ks, ks_t = _kernel_offsets(self.causal, q_start, k_start, self.batch,
-                                             torch.device("cuda", device))
-        _set_allocator()
+                 cu_k: torch.Tensor | None, q_device: torch.device, device: int) -> None:
+        """Launch on CUDA device `device` (the current one; q is on q_device): ptrs = the data
+        pointers of q, k, v, o (or the accumulator's O) and the LSE. The descriptors' scratch
+        comes with the launch (kernels/launch.py)."""
+        qs, qs_t, ks, ks_t = _kernel_offsets(self.causal, q_start, k_start, self.batch, q_device)
         dyn = ptrs + (qs.data_ptr() if qs_t else qs, ks.data_ptr() if ks_t else ks)
         if self.varlen:
             dyn += (cu_q.data_ptr(), cu_k.data_ptr())
