@@ -143,6 +143,21 @@ def _prefill_kernel(value: str):
             os.environ["LONGCTX_PREFILL_KERNEL"] = prev
 
 
+@contextlib.contextmanager
+def _decode_merge(value: str):
+    """Decode plans made inside merge their splits `value` ("fused" or "separate")."""
+    import longctx.decode as api
+    import longctx.kernels.decode as kd
+
+    prev, kd.DECODE_MERGE = kd.DECODE_MERGE, value
+    api._PLANS.clear()
+    try:
+        yield
+    finally:
+        kd.DECODE_MERGE = prev
+        api._PLANS.clear()
+
+
 def _implementations(kind: str) -> dict[str, Callable]:
     """name -> (inputs) -> (call, context): the context (a backend or launch-path switch) is
     entered once around a whole measurement, as a caller sets it once, not per call."""
@@ -172,6 +187,8 @@ def _implementations(kind: str) -> dict[str, Callable]:
         "sdpa_flash": lambda t: (sdpa(t), lambda: sdpa_kernel(SDPBackend.FLASH_ATTENTION)),
         "sdpa_cudnn": lambda t: (sdpa(t), lambda: sdpa_kernel(SDPBackend.CUDNN_ATTENTION)),
     }
+    if kind == "decode":  # the default fuses the merge of the splits; the second launch beside it
+        impls["longctx_separate"] = lambda t: (ours(t), lambda: _decode_merge("separate"))
     if kind == "prefill":
         impls["longctx_triton"] = lambda t: (ours(t), lambda: _prefill_kernel("triton"))
     return impls
@@ -235,7 +252,7 @@ def _measure_row(row: dict, impls: dict, t: dict, calls: int, cpm: float) -> dic
 
 
 # ------------------------------------------------------------------------------------ report
-_COLS = ("longctx", "longctx_generic", "longctx_triton", "sdpa_flash", "sdpa_cudnn")
+_COLS = ("longctx", "longctx_generic", "longctx_separate", "longctx_triton", "sdpa_flash", "sdpa_cudnn")
 
 
 def _num(x) -> str:
@@ -315,8 +332,11 @@ def stub_breakdown(shape: tuple[int, int], n: int = 20000) -> dict:
     plan = next(iter(api._PLANS.values()))
     scratch = torch.empty(plan.scratch)
     o = torch.empty(plan.o_shape, dtype=plan.dtype)
+    counters = L.stream_counters(max(plan.counters, 1), 0)
     dyn_split = (q.data_ptr(), k.data_ptr(), v.data_ptr(), lens.data_ptr(), lens.data_ptr(),
-                 scratch.data_ptr(), scratch.data_ptr() + 4 * plan.lse_part_off)
+                 scratch.data_ptr(), scratch.data_ptr() + 4 * plan.lse_part_off, o.data_ptr(),
+                 scratch.data_ptr() + 4 * plan.lse_off, counters.data_ptr())
+    launches = "one launch" if plan.merge is None else "two launches"
 
     def us(f):
         return min(timeit.repeat(f, number=n, repeat=5)) / n * 1e6
@@ -334,12 +354,13 @@ def stub_breakdown(shape: tuple[int, int], n: int = 20000) -> dict:
         "output allocation (CPU torch.empty)": us(
             lambda: torch.empty(plan.o_shape, dtype=plan.dtype, device=q.device)),
         "stream scratch (partials)": us(lambda: L.stream_scratch(4 * plan.scratch, 0, "decode")),
+        "stream counters (fused merge)": us(lambda: L.stream_counters(max(plan.counters, 1), 0)),
         "data pointers (6) + dynamic-argument tuple": us(
             lambda: (q.data_ptr(), k.data_ptr(), v.data_ptr(), lens.data_ptr(), scratch.data_ptr(),
                      o.data_ptr())),
         "Launch.__call__ (spec_code, binary lookup, argument tuple), launcher stubbed": us(
             lambda: plan.split(dyn_split, 0)),
-        "whole longctx.decode call (two launches, stubbed)": us(call),
+        f"whole longctx.decode call ({launches}, stubbed)": us(call),
     }
     qa = torch.randn(1, 512, 16, 128, dtype=torch.bfloat16)
     ka = torch.randn(1, 512, 2, 128, dtype=torch.bfloat16)

@@ -16,13 +16,15 @@ once replays correctly as sequences grow.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from longctx.backend import interpreter_active
-from longctx.kernels.launch import Launch, stream_scratch
-from longctx.kernels.merge import merge_states_launch
+from longctx.kernels.launch import Launch, stream_counters, stream_scratch
+from longctx.kernels.merge import _merge_parts, merge_states_launch
 from longctx.kernels.utils import (cdiv, device_name, device_sms, next_power_of_2, pdl_launch,
                                    pdl_wait)
 
@@ -97,6 +99,7 @@ def _attend_block(
 @triton.jit
 def _decode_split_kernel(
     Q, K, V, SEQLENS, BLOCK_TABLE, O_PART, LSE_PART,
+    O, LSE, ARRIVED,  # FUSED_MERGE: merged outputs, arrival counters (else unused)
     qk_scale,  # softmax_scale * log2(e): scores live in the exp2 domain
     num_splits,
     capacity,  # keys the cache can hold per sequence: a longer cache_seqlens entry is invalid
@@ -108,6 +111,7 @@ def _decode_split_kernel(
     stride_btb,
     stride_os, stride_ob, stride_oh,
     stride_ls, stride_lb,
+    stride_out_b, stride_out_h, stride_lse_b,
     HKV: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -119,6 +123,9 @@ def _decode_split_kernel(
     INTERPRET_LOOP: tl.constexpr,
     USE_PDL: tl.constexpr,
     HAS_SEQLENS: tl.constexpr = True,  # False: every sequence is full (length = capacity)
+    FUSED_MERGE: tl.constexpr = False,  # the last split of each group merges (module docstring)
+    MERGE_H: tl.constexpr = 1,  # FUSED_MERGE: query-head rows merged at once (power of two)
+    MERGE_P: tl.constexpr = 1,  # FUSED_MERGE: splits loaded at once
 ):
     pdl_wait(USE_PDL)  # q and the newest K/V come from the kernels before
     split = tl.program_id(0)
@@ -192,6 +199,30 @@ def _decode_split_kernel(
     lse_ptrs = LSE_PART + split64 * stride_ls + b64 * stride_lb + q_head
     tl.store(lse_ptrs, lse, mask=h_mask)
 
+    if FUSED_MERGE:
+        # Count this split in; the program that arrives last merges its group's splits (the
+        # merge layer's rule) while the others have exited. The barrier orders every warp's
+        # stores before the count, whose release (acq_rel, GPU scope) publishes them; its
+        # acquire, for the last program, orders the other splits' stores before the reads.
+        tl.debug_barrier()
+        counter = ARRIVED + bh * tl.num_programs(2) + hblk
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+            tl.store(counter, 0)  # zero again for the next launch (stream order)
+            rows = tl.arange(0, MERGE_H)
+            head0 = hkv * GROUP + hblk * BLOCK_H  # the program's first query head
+            r_mask = hblk * BLOCK_H + rows < GROUP
+            heads = head0 + rows
+            o, lse = _merge_parts(O_PART + b64 * stride_ob + head0.to(tl.int64) * stride_oh,
+                                  LSE_PART + b64 * stride_lb + head0, num_splits, stride_os,
+                                  stride_oh, stride_ls, rows, r_mask, offs_d,
+                                  offs_d < HEAD_DIM, MERGE_P, ".cg")
+            o = tl.where(len_ok, o, float("nan"))  # as each split's (an invalid length)
+            lse = tl.where(len_ok, lse, float("nan"))
+            o_ptrs = (O + b64 * stride_out_b + heads[:, None].to(tl.int64) * stride_out_h
+                      + offs_d[None, :])
+            tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=r_mask[:, None])
+            tl.store(LSE + b64 * stride_lse_b + heads, lse, mask=r_mask)
+
 
 def _launch_config(head_dim: int, dtype: torch.dtype, block_h: int, keys_per_split: int,
                    device: torch.device) -> tuple[int, int, int]:
@@ -219,12 +250,14 @@ def _launch_config(head_dim: int, dtype: torch.dtype, block_h: int, keys_per_spl
 def _split_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   cache_seqlens: torch.Tensor | None, block_table: torch.Tensor | None,
                   softmax_scale: float, num_splits: int, out_dtype: torch.dtype,
-                  config: tuple[int, int, int] | None = None) -> Launch:
+                  config: tuple[int, int, int] | None = None, fused_merge: bool = False) -> Launch:
     """The split kernel's launch for these inputs (read for shapes, strides, dtypes and device
     only), writing contiguous o_part [num_splits, B, Hq, D] out_dtype and lse_part
-    [num_splits, B, Hq] float32. Dynamic arguments: the pointers of q, k_cache, v_cache,
-    cache_seqlens (q's without one), block_table (cache_seqlens' without one), o_part, lse_part.
-    q: [B, Hq, D] or [B, 1, Hq, D]."""
+    [num_splits, B, Hq] float32; with fused_merge (out_dtype float32) also their merge, o
+    [B, Hq, D] in q's dtype and lse [B, Hq] float32 (contiguous), counting arrivals in
+    `fused_counters(...)` int32 zeros. Dynamic arguments: the pointers of q, k_cache, v_cache,
+    cache_seqlens (q's without one), block_table (cache_seqlens' without one), o_part, lse_part,
+    o, lse, counters (without fused_merge any pointers: unused). q: [B, Hq, D] or [B, 1, Hq, D]."""
     B, Hq, D = q.shape[0], q.shape[-2], q.shape[-1]
     Hkv = k_cache.shape[2]
     paged = block_table is not None
@@ -243,19 +276,33 @@ def _split_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     # fp32 caches: exact fp32 products (tf32 would cost ~1e-3 relative error).
     precision = "ieee" if k_cache.dtype == torch.float32 else "tf32"
     sk, sv = k_cache.stride(), v_cache.stride()
+    # Fused merge: the last program of a group merges MERGE_H query heads (its own, padded to a
+    # power of two) over MERGE_P splits per load, 64 float32 registers per thread of tile.
+    merge_h = min(block_h, next_power_of_2(group))
+    merge_p = max(1, min(next_power_of_2(num_splits), 64 * 32 * num_warps // (merge_h * D)))
     return Launch(
         _decode_split_kernel, (num_splits, B * Hkv, cdiv(group, block_h)),
         (q.dtype, k_cache.dtype, v_cache.dtype, sl_dtype,
-         sl_dtype if block_table is None else block_table.dtype, out_dtype, torch.float32),
+         sl_dtype if block_table is None else block_table.dtype, out_dtype, torch.float32,
+         q.dtype if fused_merge else out_dtype, torch.float32, torch.int32),
         (float(softmax_scale) * _LOG2E, num_splits, capacity, num_pages,
          q.stride(0), q.stride(-2), *sk[:3], *sv[:3],
          0 if cache_seqlens is None else cache_seqlens.stride(0), stride_btb,
          B * Hq * D, Hq * D, D,  # o_part, contiguous
-         B * Hq, Hq),  # lse_part, contiguous
+         B * Hq, Hq,  # lse_part, contiguous
+         Hq * D, D, Hq),  # o and lse (fused merge), contiguous
         dict(HKV=Hkv, GROUP=group, HEAD_DIM=D, BLOCK_H=block_h, BLOCK_N=block_n, PAGED=paged,
              PAGE_SIZE=page_size, INPUT_PRECISION=precision, INTERPRET_LOOP=_INTERPRET,
-             HAS_SEQLENS=cache_seqlens is not None, num_warps=num_warps, num_stages=num_stages,
+             HAS_SEQLENS=cache_seqlens is not None, FUSED_MERGE=fused_merge, MERGE_H=merge_h,
+             MERGE_P=merge_p, num_warps=num_warps, num_stages=num_stages,
              **pdl_launch(q.device)))
+
+
+def fused_counters(q: torch.Tensor, k_cache: torch.Tensor) -> int:
+    """Arrival counters a fused-merge split launch needs: one per (batch, KV head, head block)."""
+    group = q.shape[-2] // k_cache.shape[2]
+    block_h = min(max(16, next_power_of_2(group)), _MAX_BLOCK_H)
+    return q.shape[0] * k_cache.shape[2] * cdiv(group, block_h)
 
 
 def flash_decode_partials(
@@ -299,29 +346,33 @@ def flash_decode_partials(
     lse_part = torch.empty((num_splits, B, Hq), device=q.device, dtype=torch.float32)
     sl = q if cache_seqlens is None else cache_seqlens
     bt = sl if block_table is None else block_table
-    launch.generic(q, k_cache, v_cache, sl, bt, o_part, lse_part)  # tuning: Triton's launch path
+    # Tuning: Triton's launch path. o, lse and the counters (fused merge only) are not used.
+    launch.generic(q, k_cache, v_cache, sl, bt, o_part, lse_part, o_part, lse_part, lse_part)
     return o_part, lse_part
 
 
 class DecodePlan:
-    """Flash-Decoding for one input signature: the split kernel's launch, the merge kernel's
-    (more than one split) and the buffers they write, computed once.
+    """Flash-Decoding for one input signature: the split kernel's launch (merging its partials
+    itself when the merge is fused), the merge kernel's (more than one split, merge not fused)
+    and the buffers they write, computed once.
 
     Built from the shapes, strides, dtypes and devices of the inputs only (what longctx.decode
     keys its plan cache by), so a plan serves every call with that signature. Per call it
-    needs the output (and the LSE when returned) and a float32 scratch for the partial states
-    (and the LSE when not returned), and launches twice at most: on the fast path the output
-    (and the LSE when returned) are its only allocations, the float32 scratch being the current
-    stream's (`longctx.kernels.launch.stream_scratch`, which says why that is safe); Triton's
-    path allocates the scratch per call.
+    needs the output (and the LSE when returned), a float32 scratch for the partial states
+    (and the LSE when not returned) and, for a fused merge, zeroed arrival counters; it
+    launches once (one split, or a fused merge) or twice. On the fast path the output (and the
+    LSE when returned) are its only allocations, the scratch and the counters being the
+    current stream's (`longctx.kernels.launch.stream_scratch` and `stream_counters`, which say
+    why that is safe); Triton's path allocates them per call.
     """
 
     __slots__ = ("o_shape", "dtype", "lse_shape", "return_lse", "scratch", "lse_part_off",
-                 "lse_off", "num_splits", "split", "merge")
+                 "lse_off", "num_splits", "split", "merge", "counters")
 
     def __init__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  cache_seqlens: torch.Tensor | None, block_table: torch.Tensor | None,
-                 softmax_scale: float, num_splits: int | None, return_lse: bool) -> None:
+                 softmax_scale: float, num_splits: int | None, return_lse: bool,
+                 merge: str = "auto") -> None:
         B, Hq, D = q.shape[0], q.shape[-2], q.shape[-1]
         if num_splits is None:
             capacity = (block_table.shape[1] * k_cache.shape[1] if block_table is not None
@@ -336,11 +387,16 @@ class DecodePlan:
         self.lse_off = self.lse_part_off + num_splits * rows if num_splits > 1 else 0
         self.scratch = self.lse_off + (0 if return_lse else rows)
         self.split = self.merge = None
+        self.counters = 0
         if rows == 0:
             return
         if num_splits == 1:
             self.split = _split_launch(q, k_cache, v_cache, cache_seqlens, block_table,
                                        softmax_scale, 1, q.dtype)
+        elif fuse_merge(merge):
+            self.split = _split_launch(q, k_cache, v_cache, cache_seqlens, block_table,
+                                       softmax_scale, num_splits, torch.float32, fused_merge=True)
+            self.counters = fused_counters(q, k_cache)
         else:
             self.split = _split_launch(q, k_cache, v_cache, cache_seqlens, block_table,
                                        softmax_scale, num_splits, torch.float32)
@@ -369,23 +425,48 @@ class DecodePlan:
             base = 0 if scratch is None else scratch.data_ptr()
             lp = base + 4 * self.lse_off if lse is None else lse.data_ptr()
             op = o.data_ptr()
-            if self.merge is None:
-                self.split((qp, k_cache.data_ptr(), v_cache.data_ptr(), slp, btp, op, lp), device)
+            kp, vp = k_cache.data_ptr(), v_cache.data_ptr()
+            if self.num_splits == 1:
+                self.split((qp, kp, vp, slp, btp, op, lp, op, lp, lp), device)
+            elif self.merge is None:  # fused merge
+                counters = stream_counters(self.counters, device)
+                self.split((qp, kp, vp, slp, btp, base, base + 4 * self.lse_part_off, op, lp,
+                            counters.data_ptr()), device)
             else:
                 lpp = base + 4 * self.lse_part_off
-                self.split((qp, k_cache.data_ptr(), v_cache.data_ptr(), slp, btp, base, lpp), device)
+                self.split((qp, kp, vp, slp, btp, base, lpp, op, lp, lp), device)
                 self.merge((base, lpp, op, lp), device)
             return o, lse
         scratch = torch.empty(self.scratch, dtype=torch.float32, device=dev) if self.scratch else None
         lse_out = lse if lse is not None else scratch[self.lse_off:]
-        if self.merge is None:
-            self.split.generic(q, k_cache, v_cache, sl, bt, o, lse_out)
+        if self.num_splits == 1:
+            self.split.generic(q, k_cache, v_cache, sl, bt, o, lse_out, o, lse_out, lse_out)
+            return o, lse
+        o_part = scratch[:self.lse_part_off]
+        lse_part = scratch[self.lse_part_off:self.lse_off]
+        if self.merge is None:  # fused merge
+            counters = torch.zeros(self.counters, dtype=torch.int32, device=dev)
+            self.split.generic(q, k_cache, v_cache, sl, bt, o_part, lse_part, o, lse_out, counters)
         else:
-            o_part = scratch[:self.lse_part_off]
-            lse_part = scratch[self.lse_part_off:self.lse_off]
-            self.split.generic(q, k_cache, v_cache, sl, bt, o_part, lse_part)
+            self.split.generic(q, k_cache, v_cache, sl, bt, o_part, lse_part, o, lse_out, lse_out)
             self.merge.generic(o_part, lse_part, o, lse_out)
         return o, lse
+
+
+# How DecodePlan merges more than one split by default: "fused" (the split kernel's last
+# program per group, one launch) or "separate" (the merge layer's kernel, a second launch).
+# LONGCTX_DECODE_MERGE overrides "auto" for A/B measurements (bench/host_time.py).
+DECODE_MERGE = os.environ.get("LONGCTX_DECODE_MERGE", "auto")
+
+
+def fuse_merge(merge: str = "auto") -> bool:
+    """Whether a multi-split decode merges inside the split kernel: `merge`, or with "auto"
+    DECODE_MERGE, or with "auto" there the measured default."""
+    if merge == "auto":
+        merge = DECODE_MERGE
+    if merge not in ("auto", "fused", "separate"):
+        raise ValueError(f"decode merge must be 'auto', 'fused' or 'separate', got {merge!r}")
+    return merge != "separate"
 
 
 def flash_decode(
@@ -396,18 +477,20 @@ def flash_decode(
     block_table: torch.Tensor | None,
     softmax_scale: float,
     num_splits: int | None,
+    merge: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flash-Decoding: split kernel, then the merge layer's kernel over the splits.
+    """Flash-Decoding: split kernel, then the merge of the splits (`merge`: "fused" in the
+    split kernel, "separate" by the merge layer's kernel, "auto" as `fuse_merge` decides).
 
     q [B, Hq, D] or [B, 1, Hq, D]. Returns o shaped like q in q's dtype and lse [B, Hq]
     float32 natural log. With one split the split kernel writes the final output directly
-    (no merge launch). cache_seqlens None: every sequence is full.
+    (no merge). cache_seqlens None: every sequence is full.
 
     Launches through Triton's generic path; longctx.decode caches the DecodePlan per input
     signature and launches directly.
     """
     plan = DecodePlan(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale,
-                      num_splits, return_lse=True)
+                      num_splits, return_lse=True, merge=merge)
     return plan(q, k_cache, v_cache, cache_seqlens, block_table, None)
 
 

@@ -38,7 +38,7 @@ from longctx.backend import interpreter_active
 from longctx.kernels.utils import pdl_allowed
 
 __all__ = ["Launch", "fast_launch", "fast_launch_active", "current_device", "pdl_allowed",
-           "stream_scratch",
+           "stream_scratch", "stream_counters",
            "spec_code", "signature", "remember", "MAX_PLANS"]
 
 _INTERPRET = interpreter_active()
@@ -127,6 +127,43 @@ def stream_scratch(nbytes: int, device: int, slot: str, stream: int | None = Non
         # for this stream only after the work queued so far (stream order again).
         size = max(nbytes, 2 * buf.numel() if buf is not None else 0, 1 << 16)
         buf = _scratch[key] = torch.empty(size, dtype=torch.uint8, device=_scratch_device(device))
+    return buf
+
+
+# Zeroed int32 counters: (device, stream) -> tensor, and per device the capture pool
+# [tensor, ints handed out].
+_counters: dict[tuple[int, int], torch.Tensor] = {}
+_capture_pool: dict[int, list] = {}
+_CAPTURE_POOL_INTS = 1 << 16
+
+
+def stream_counters(n: int, device: int) -> torch.Tensor:
+    """n int32 zeros on CUDA device `device` for a kernel that counts arrivals in them and
+    leaves them zero again when it completes (the decode kernel's fused merge): reused by every
+    later launch on the device's current stream, which stream order keeps from overlapping.
+
+    While the current stream is capturing a CUDA graph every call gets counters of its own, so
+    that graphs replayed concurrently never share them: a slice, never handed out again, of a
+    zeroed pool made outside any capture (graph replays leave it zero as every launch does),
+    or, with the pool used up or not yet made, a graph-owned buffer zeroed by a memset in the
+    graph. Hold the tensor until the launch is queued.
+    """
+    if _capturing():
+        pool = _capture_pool.get(device)
+        if pool is None or pool[1] + n > pool[0].numel():
+            return torch.zeros(n, dtype=torch.int32, device=_scratch_device(device))
+        start = pool[1]
+        pool[1] += -(-n // 32) * 32  # 128-byte aligned slices
+        return pool[0][start:start + n]
+    key = (device, _stream(device))
+    buf = _counters.get(key)
+    if buf is None or buf.numel() < n:
+        # The old buffer goes back to the caching allocator as stream_scratch's does.
+        size = max(n, 2 * buf.numel() if buf is not None else 0, 1024)
+        buf = _counters[key] = torch.zeros(size, dtype=torch.int32, device=_scratch_device(device))
+        if device not in _capture_pool:
+            _capture_pool[device] = [torch.zeros(_CAPTURE_POOL_INTS, dtype=torch.int32,
+                                                 device=_scratch_device(device)), 0]
     return buf
 
 

@@ -15,7 +15,8 @@ import triton
 import longctx.kernels.utils as kernel_utils
 from longctx import merge_states
 from longctx.kernels.decode import (
-    _MAX_BLOCK_H, _launch_config, choose_num_splits, flash_decode, flash_decode_partials,
+    _MAX_BLOCK_H, _launch_config, _split_launch, choose_num_splits, flash_decode,
+    flash_decode_partials, fused_counters,
 )
 from longctx.reference import reference_attention
 
@@ -173,6 +174,54 @@ def test_paged(case, num_splits, dtype):
     check(q, k_pages, v_pages, seqlens, bt, D ** -0.5, num_splits, k_log, v_log, dtype)
 
 
+FUSED_CASES = [  # (seqlens, Hkv, G, D, page size or None)
+    ([17], 2, 1, 64, None),
+    ([1000, 0, 1], 1, 3, 128, None),
+    ([0, 70, 129], 2, 8, 64, None),
+    ([45, 1, 200], 2, 6, 64, 32),
+    ([41], 1, 80, 32, None),  # two head blocks (64 + 16 rows) per KV head
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("num_splits", [2, 5, 64])
+@pytest.mark.parametrize("case", FUSED_CASES, ids=lambda c: f"L{c[0]}-hkv{c[1]}-g{c[2]}-d{c[3]}-ps{c[4]}")
+def test_fused_merge(case, num_splits, dtype):
+    """The split kernel's own merge (its last program per group) gives the separate merge
+    kernel's output up to the order of its sums (they load different numbers of splits at
+    once), within the tolerance of the float64 reference, and leaves its arrival counters
+    zero, so the next launch can reuse them."""
+    lens, Hkv, G, D, ps = case
+    gen = torch.Generator().manual_seed(hash((tuple(lens), num_splits, G)) % 2**31)
+    B, S = len(lens), max(lens) + 3
+    q, k_log, v_log = make_inputs(B, Hkv, G, D, S, dtype, gen)
+    k, v, bt = (k_log, v_log, None) if ps is None else make_paged(k_log, v_log, ps, gen)
+    if bt is not None:
+        k_log, v_log = gather_logical(k, bt, S), gather_logical(v, bt, S)
+    seqlens = torch.tensor(lens, dtype=torch.int32)
+    q, k, v, sl = q.to(DEV), k.to(DEV), v.to(DEV), seqlens.to(DEV)
+    bt = None if bt is None else bt.to(DEV)
+    o_sep, lse_sep = flash_decode(q, k, v, sl, bt, D ** -0.5, num_splits, merge="separate")
+    launch = _split_launch(q, k, v, sl, bt, D ** -0.5, num_splits, torch.float32,
+                           fused_merge=True)
+    counters = torch.zeros(fused_counters(q, k), dtype=torch.int32, device=DEV)
+    o_part = torch.empty(num_splits, B, Hkv * G, D, device=DEV)
+    lse_part = torch.empty(num_splits, B, Hkv * G, device=DEV)
+    for _ in range(2):  # the second launch finds the counters zero again
+        o, lse = torch.full_like(o_sep, float("nan")), torch.full_like(lse_sep, float("nan"))
+        launch.generic(q, k, v, sl, sl if bt is None else bt, o_part, lse_part, o, lse, counters)
+        assert not counters.any()
+        torch.testing.assert_close(o, o_sep)  # dtype-dependent tolerances: a rounding or two
+        torch.testing.assert_close(lse, lse_sep, atol=1e-6, rtol=1e-6)
+    o_ref, lse_ref = reference(q.cpu(), k_log, v_log, seqlens, D ** -0.5)
+    o_t, _ = reference(q.cpu(), k_log, v_log, seqlens, D ** -0.5, dtype=dtype)
+    ne = seqlens > 0
+    err = (o.cpu().double() - o_ref)[ne].abs().max().item()
+    err_t = (o_t.double() - o_ref)[ne].abs().max().item()
+    assert err <= (1e-5 if dtype == torch.float32 else 2 * err_t + 2e-3), (err, err_t)
+    assert torch.all(lse.cpu()[~ne] == -math.inf) and torch.all(o.cpu()[~ne] == 0)
+
+
 def test_group16_and_strided_q():
     """G=16 (BLOCK_H == G), non-contiguous q ([Hq,B,D] transposed) and a non-default scale."""
     gen = torch.Generator().manual_seed(3)
@@ -302,14 +351,15 @@ def test_invalid_lengths_and_pages_give_nan_not_garbage():
     q = torch.randn(B, Hq, D, device=DEV, dtype=torch.float16)
     k = torch.randn(B, S, Hkv, D, device=DEV, dtype=torch.float16)
     seqlens = torch.tensor([64, 65, -1], dtype=torch.int32, device=DEV)
-    for splits in (1, 3):
-        o, lse = flash_decode(q, k, k, seqlens, None, D**-0.5, splits)
+    for splits, merge in ((1, "auto"), (3, "fused"), (3, "separate")):
+        o, lse = flash_decode(q, k, k, seqlens, None, D**-0.5, splits, merge)
         assert torch.isfinite(o[0]).all() and torch.isnan(o[1:]).all() and torch.isnan(lse[1:]).all()
     pages = k.view(B * 4, 16, Hkv, D)
     table = torch.arange(B * 4, dtype=torch.int32, device=DEV).view(B, 4)
     table[1, 2] = B * 4  # out of range, within the length
     table[2, 3] = -5     # out of range, past the length: never read, harmless
     seqlens = torch.tensor([64, 64, 40], dtype=torch.int32, device=DEV)
-    o, lse = flash_decode(q, pages, pages, seqlens, table, D**-0.5, 2)
-    assert torch.isnan(o[1]).all() and torch.isnan(lse[1]).all()
-    assert torch.isfinite(o[[0, 2]]).all() and torch.isfinite(lse[[0, 2]]).all()
+    for merge in ("fused", "separate"):
+        o, lse = flash_decode(q, pages, pages, seqlens, table, D**-0.5, 2, merge)
+        assert torch.isnan(o[1]).all() and torch.isnan(lse[1]).all()
+        assert torch.isfinite(o[[0, 2]]).all() and torch.isfinite(lse[[0, 2]]).all()

@@ -23,7 +23,7 @@ from triton.runtime.jit import JITFunction, create_function_from_signature
 
 import longctx
 from longctx.backend import force_triton
-from longctx.kernels import launch as L
+from longctx.kernels import decode as kernels_decode, launch as L
 from longctx.kernels.decode import _decode_split_kernel
 from longctx.kernels.merge import _merge_kernel
 from longctx.kernels.prefill import _attn_fwd_kernel
@@ -80,6 +80,8 @@ def interp_fast(monkeypatch):
     monkeypatch.setattr(L, "_capturing", lambda: False)
     monkeypatch.setattr(L, "_scratch_device", lambda device: torch.device("cpu"))
     monkeypatch.setattr(L, "_scratch", {})
+    monkeypatch.setattr(L, "_counters", {})
+    monkeypatch.setattr(L, "_capture_pool", {})
     monkeypatch.setattr(L, "_fetch_binary", rec.fetch)
     _clear_plans()
     with force_triton():
@@ -148,13 +150,15 @@ def _triton_bound(launch: L.Launch, dyn: tuple):
     return tuple(bound.values()), spec
 
 
-def test_fast_arguments_are_tritons_bound_arguments(interp_fast):
+def test_fast_arguments_are_tritons_bound_arguments(interp_fast, monkeypatch):
     """For every kernel the public calls launch: the tuple the fast path passes the launcher is
     Triton's bound argument list, and calls with equal plan key and spec_code specialise the same."""
     q = torch.randn(3, 1, 6, 16)
     kc, vc = torch.randn(3, 40, 2, 16), torch.randn(3, 40, 2, 16)
     lens = torch.tensor([40, 3, 0], dtype=torch.int32)
-    longctx.decode(q, kc, vc, cache_seqlens=lens, num_splits=3)
+    longctx.decode(q, kc, vc, cache_seqlens=lens, num_splits=3)  # the merge fused
+    monkeypatch.setattr(kernels_decode, "DECODE_MERGE", "separate")
+    longctx.decode(q, kc, vc, cache_seqlens=lens, num_splits=2)  # split and merge kernels
     longctx.merge_states(torch.randn(3, 2, 4, 16), torch.randn(3, 2, 4))
     longctx.merge_into(torch.zeros(2, 4, 16), torch.full((2, 4), float("-inf")),
                        torch.randn(2, 4, 16), torch.randn(2, 4))
@@ -168,7 +172,7 @@ def test_fast_arguments_are_tritons_bound_arguments(interp_fast):
              *api_merge._INTO_PLANS.values(), *api_attention._PLANS.values()]
     launches = [lz for p in plans for lz in (getattr(p, "split", None), getattr(p, "merge", None),
                                              getattr(p, "launch", None)) if lz is not None]
-    assert len(launches) == 6
+    assert len(launches) == 7
     for launch in launches:
         name = launch.fn.__name__
         n_dyn = len(launch.dyn_dtypes)
@@ -203,7 +207,10 @@ def _paged(k, v, page):
 @pytest.mark.parametrize("lengths", [[40, 0, 17], None])
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("return_lse", [False, True])
-def test_decode_fast_matches_generic(interp_fast, paged, lengths, num_splits, return_lse):
+@pytest.mark.parametrize("merge", ["fused", "separate"])
+def test_decode_fast_matches_generic(interp_fast, monkeypatch, paged, lengths, num_splits,
+                                     return_lse, merge):
+    monkeypatch.setattr(kernels_decode, "DECODE_MERGE", merge)
     B, S, Hq, Hkv, D = 3, 48, 6, 2, 16  # GQA group 3
     q = torch.randn(B, Hq, D, dtype=torch.float16)
     k, v = torch.randn(B, S, Hkv, D, dtype=torch.float16), torch.randn(B, S, Hkv, D, dtype=torch.float16)
@@ -216,7 +223,7 @@ def test_decode_fast_matches_generic(interp_fast, paged, lengths, num_splits, re
     _same(fast, _generic(longctx.decode, q, k, v, **kw))
     _same(again, fast)
     assert len(api_decode._PLANS) == 1
-    n_kernels = 1 if num_splits == 1 else 2
+    n_kernels = 1 if num_splits == 1 or merge == "fused" else 2
     assert len(interp_fast.fetches) == n_kernels and len(interp_fast.launches) == 2 * n_kernels
 
 
@@ -371,6 +378,34 @@ def test_plan_cache_is_bounded(interp_fast, monkeypatch):
     for b in range(5):
         longctx.decode(torch.randn(1, 2, 16), k, k, num_splits=1, softmax_scale=0.1 + b)
         assert len(api_decode._PLANS) == b % 3 + 1
+
+
+def test_stream_counters_reuse_growth_and_capture(monkeypatch):
+    """stream_counters: zeros, one buffer per (device, stream) reused while large enough; while a
+    graph is captured, slices of the zeroed pool never handed out twice, then graph-owned zeros
+    once the pool is used up."""
+    monkeypatch.setattr(L, "_counters", {})
+    monkeypatch.setattr(L, "_capture_pool", {})
+    monkeypatch.setattr(L, "_CAPTURE_POOL_INTS", 100)
+    monkeypatch.setattr(L, "_scratch_device", lambda device: torch.device("cpu"))
+    monkeypatch.setattr(L, "_capturing", lambda: False)
+    stream = [7]
+    monkeypatch.setattr(L, "_stream", lambda device: stream[0])
+    a = L.stream_counters(10, 0)
+    assert a.dtype == torch.int32 and a.numel() >= 10 and not a.any()
+    assert L.stream_counters(10, 0) is a
+    stream[0] = 8
+    assert L.stream_counters(10, 0) is not a
+    stream[0] = 7
+    big = L.stream_counters(a.numel() + 1, 0)
+    assert big is not a and big.numel() > a.numel() and not big.any()
+    monkeypatch.setattr(L, "_capturing", lambda: True)
+    pool = L._capture_pool[0][0]
+    c1, c2 = L.stream_counters(40, 0), L.stream_counters(40, 0)
+    assert c1.numel() == c2.numel() == 40 and not c1.any() and not c2.any()
+    assert c1.data_ptr() == pool.data_ptr() and c2.data_ptr() >= c1.data_ptr() + 4 * 40
+    c3 = L.stream_counters(40, 0)  # 128 ints would not fit in 100: the pool is used up
+    assert c3.untyped_storage().data_ptr() != pool.untyped_storage().data_ptr() and not c3.any()
 
 
 def test_stream_scratch_reuse_growth_and_capture(monkeypatch):
