@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import os
 import statistics
@@ -146,9 +147,9 @@ def _prefill_kernel(value: str):
 @contextlib.contextmanager
 def _decode_merge(value: str):
     """Decode plans made inside merge their splits `value` ("fused" or "separate")."""
-    import longctx.decode as api
     import longctx.kernels.decode as kd
 
+    api = importlib.import_module("longctx.decode")  # the module (longctx.decode is the function)
     prev, kd.DECODE_MERGE = kd.DECODE_MERGE, value
     api._PLANS.clear()
     try:
@@ -305,8 +306,6 @@ def stub_breakdown(shape: tuple[int, int], n: int = 20000) -> dict:
     part of one longctx.decode call. CPU torch.empty stands in for CUDA's caching allocator (on
     a GPU host each CUDA allocation and each C launch costs more than here)."""
     os.environ.pop("TRITON_INTERPRET", None)
-    import importlib
-
     import longctx
     import longctx.backend as backend
     from longctx.kernels import launch as L

@@ -212,16 +212,16 @@ def _decode_split_kernel(
             head0 = hkv * GROUP + hblk * BLOCK_H  # the program's first query head
             r_mask = hblk * BLOCK_H + rows < GROUP
             heads = head0 + rows
-            o, lse = _merge_parts(O_PART + b64 * stride_ob + head0.to(tl.int64) * stride_oh,
-                                  LSE_PART + b64 * stride_lb + head0, num_splits, stride_os,
-                                  stride_oh, stride_ls, rows, r_mask, offs_d,
-                                  offs_d < HEAD_DIM, MERGE_P, ".cg")
-            o = tl.where(len_ok, o, float("nan"))  # as each split's (an invalid length)
-            lse = tl.where(len_ok, lse, float("nan"))
-            o_ptrs = (O + b64 * stride_out_b + heads[:, None].to(tl.int64) * stride_out_h
+            o_m, lse_m = _merge_parts(
+                O_PART + b64 * stride_ob + head0.to(tl.int64) * stride_oh,
+                LSE_PART + b64 * stride_lb + head0, num_splits, stride_os, stride_oh, stride_ls,
+                rows, r_mask, offs_d, offs_d < HEAD_DIM, MERGE_P, ".cg")
+            o_m = tl.where(len_ok, o_m, float("nan"))  # as each split's (an invalid length)
+            lse_m = tl.where(len_ok, lse_m, float("nan"))
+            out_ptrs = (O + b64 * stride_out_b + heads[:, None].to(tl.int64) * stride_out_h
                       + offs_d[None, :])
-            tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=r_mask[:, None])
-            tl.store(LSE + b64 * stride_lse_b + heads, lse, mask=r_mask)
+            tl.store(out_ptrs, o_m.to(O.dtype.element_ty), mask=r_mask[:, None])
+            tl.store(LSE + b64 * stride_lse_b + heads, lse_m, mask=r_mask)
 
 
 def _launch_config(head_dim: int, dtype: torch.dtype, block_h: int, keys_per_split: int,
