@@ -100,10 +100,14 @@ def test_decode_fast_is_generic(dtype, paged, with_lens, num_splits, q4d):
     # The binaries launched are Triton's own picks for tensors of these dtypes and alignment.
     sl = lens if with_lens else q
     bt = kw.get("block_table", sl)
+    one = plan.num_splits == 1
     o_part = torch.empty(plan.num_splits, B, Hq, D, device="cuda",
-                         dtype=dtype if plan.merge is None else torch.float32)
+                         dtype=dtype if one else torch.float32)
     lse_part = torch.empty(plan.num_splits, B, Hq, device="cuda")
-    _assert_tritons_binary(plan.split, q, k, v, sl, bt, o_part, lse_part)
+    fused = not one and plan.merge is None  # the split kernel merges (o, lse and counters used)
+    counters = torch.zeros(max(plan.counters, 1), dtype=torch.int32, device="cuda")
+    _assert_tritons_binary(plan.split, q, k, v, sl, bt, o_part, lse_part,
+                           o if fused or one else o_part, lse, counters)
     if plan.merge is not None:
         _assert_tritons_binary(plan.merge, o_part, lse_part, o, lse)
 
