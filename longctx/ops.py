@@ -141,7 +141,8 @@ def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
         raise ValueError(f"k_cache and v_cache must be [{B}, S_max, {hkv}, {D}], got "
                          f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
     if pos.shape != (B,) or slot.shape != (B,):
-        raise ValueError(f"pos and slot must be [{B}], got {tuple(pos.shape)} and {tuple(slot.shape)}")
+        raise ValueError(f"pos and slot must be [{B}], got {tuple(pos.shape)} and "
+                         f"{tuple(slot.shape)}")
     if use_triton_for(q) and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1 \
             and k_cache.is_contiguous() and v_cache.is_contiguous():
         from longctx.kernels.fused import rope_store_kv as kernel

@@ -191,9 +191,9 @@ def test_cuda_graph_decode_matches_eager():
 @pytest.mark.gpu
 def test_batch1_decode_graph_is_bit_identical_to_eager():
     """Batch 1, where every decode-step kernel is one of ours launched with PDL (GEMV, fused
-    norms, RoPE, KV store, split-KV decode, merge): steps replayed from a CUDA graph, where the
-    kernels are back to back and overlap under PDL, give the same bits as eager steps launched
-    without PDL (strictly one kernel after another). A kernel that started reading or writing
+    norms, RoPE with the KV store, split-KV decode, merge): steps replayed from a CUDA graph,
+    where the kernels are back to back and overlap under PDL, give the same bits as eager steps
+    launched without PDL (strictly one kernel after another). A kernel that started reading or writing
     before its predecessor was done would show here."""
     from longctx.kernels.utils import pdl_off
 
