@@ -25,7 +25,7 @@ from longctx.hardware import read_bandwidth
 from longctx.parallel.build import build_model
 from longctx.weights import RandomWeights
 
-PARTS = ("rms_norm", "store_kv", "rope_", "decode")
+PARTS = ("rms_norm", "rope_store_kv", "decode")
 
 
 def _no_norm(x, weight, eps, add=None):
@@ -59,9 +59,8 @@ def main() -> None:
     variants = {
         "as it runs": {},
         "without the RMSNorm kernels": {"rms_norm": _no_norm},
-        "without the KV store kernel": {"store_kv": lambda *args: None},
-        "without the RoPE kernel": {"rope_": lambda *args: None},
-        "without KV store and RoPE": {"store_kv": lambda *args: None, "rope_": lambda *args: None},
+        # A decode step's RoPE and KV store are one kernel (ops.rope_store_kv).
+        "without the RoPE + KV store kernel": {"rope_store_kv": lambda *args: None},
         "without attention (q as its output)": {"decode": lambda q, *args, **kw: q},
         "half the heuristic's split count": {
             "splits": lambda *args, **kw: max(1, orig_splits(*args, **kw) // 2)},

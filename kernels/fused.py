@@ -1,5 +1,6 @@
 """Small fused Triton kernels for the model's decode step: RMSNorm, rotary embedding of q and k,
-SiLU-and-multiply, the KV-cache store.
+SiLU-and-multiply, the KV-cache store, and RoPE with the KV-cache store in one kernel (what a
+decode step runs; prefill rotates with rope_ and stores with tensor copies).
 
 At batch 1 a Llama layer's non-matmul ops are dozens of tiny kernels (RMSNorm alone is eight
 torch ops); each costs a launch and a ramp, a few µs, against ~0.45 ms of weight reads per
@@ -60,26 +61,43 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 @triton.jit
+def _rope_angles(COS, SIN, POS, stride_t, HALF: tl.constexpr):
+    # The fp32 cos and sin [HALF] of the position at POS (a [max_seq_len, D] table's first half:
+    # rotate-half tables repeat it).
+    pos = tl.load(POS).to(tl.int64)
+    offs_d = tl.arange(0, HALF)
+    return tl.load(COS + pos * stride_t + offs_d), tl.load(SIN + pos * stride_t + offs_d)
+
+
+@triton.jit
+def _rotate_rows_(base, cos, sin, mask, HALF: tl.constexpr):
+    # Rotate-half RoPE of the rows at `base` ([BLOCK_H, 1] pointers to each head's first
+    # element) in place: x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin in fp32 (cos/sin [HALF]
+    # fp32), rounded to the rows' dtype. Returns the rotated halves (x1', x2') in that dtype.
+    offs_d = tl.arange(0, HALF)[None, :]
+    x1 = tl.load(base + offs_d, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(base + HALF + offs_d, mask=mask, other=0.0).to(tl.float32)
+    y1 = (x1 * cos - x2 * sin).to(base.dtype.element_ty)
+    y2 = (x2 * cos + x1 * sin).to(base.dtype.element_ty)
+    tl.store(base + offs_d, y1, mask=mask)
+    tl.store(base + HALF + offs_d, y2, mask=mask)
+    return y1, y2
+
+
+@triton.jit
 def _rope_kernel(X, COS, SIN, POS, stride_xb, stride_xs, stride_xh, stride_pb, stride_ps,
                  S, H, stride_t, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
                  USE_PDL: tl.constexpr):
-    # One program per (token, block of heads): rotate-half RoPE in place,
-    # x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin, in fp32 (cos/sin tables are fp32).
+    # One program per (token, block of heads): rotate-half RoPE in place.
     pdl_wait(USE_PDL)
     t = tl.program_id(0)
     b = (t // S).to(tl.int64)
     s = (t % S).to(tl.int64)
-    pos = tl.load(POS + b * stride_pb + s * stride_ps).to(tl.int64)
-    offs_d = tl.arange(0, HALF)
-    cos = tl.load(COS + pos * stride_t + offs_d)
-    sin = tl.load(SIN + pos * stride_t + offs_d)
+    cos, sin = _rope_angles(COS, SIN, POS + b * stride_pb + s * stride_ps, stride_t, HALF)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = (offs_h < H)[:, None]
     base = X + b * stride_xb + s * stride_xs + offs_h[:, None].to(tl.int64) * stride_xh
-    x1 = tl.load(base + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(base + HALF + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
-    tl.store(base + offs_d[None, :], (x1 * cos - x2 * sin).to(X.dtype.element_ty), mask=mask)
-    tl.store(base + HALF + offs_d[None, :], (x2 * cos + x1 * sin).to(X.dtype.element_ty), mask=mask)
+    _rotate_rows_(base, cos, sin, mask, HALF)
 
 
 def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -148,3 +166,53 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
                              k_cache.stride(1), k_cache.stride(2), k.stride(0), k.stride(1),
                              v.stride(0), v.stride(1), H, BLOCK_H=next_power_of_2(H), D=D,
                              num_warps=4, **pdl_launch(k.device))
+
+
+@triton.jit
+def _rope_store_kv_kernel(Q, K, V, COS, SIN, POS, KC, VC, SLOT, S_MAX,
+                          stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
+                          stride_p, stride_t, stride_cb, stride_cs, stride_ch, HQ, HKV,
+                          HALF: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr):
+    # A decode step's RoPE and KV store, one token per sequence b = program_id(0): programs
+    # j < cdiv(HQ, BLOCK_H) rotate a block of q heads in place (as _rope_kernel); the others
+    # rotate a block of k heads in place too and write them and the same v heads at cache
+    # position SLOT[b], skipping a slot out of range (as _store_kv_kernel).
+    pdl_wait(USE_PDL)
+    b = tl.program_id(0).to(tl.int64)
+    cos, sin = _rope_angles(COS, SIN, POS + b * stride_p, stride_t, HALF)
+    n_qb = tl.cdiv(HQ, BLOCK_H)
+    j = tl.program_id(1)
+    if j < n_qb:
+        offs_q = j * BLOCK_H + tl.arange(0, BLOCK_H)
+        _rotate_rows_(Q + b * stride_qb + offs_q[:, None].to(tl.int64) * stride_qh, cos, sin,
+                      (offs_q < HQ)[:, None], HALF)
+    else:
+        offs_h = (j - n_qb) * BLOCK_H + tl.arange(0, BLOCK_H)
+        head = offs_h[:, None].to(tl.int64)
+        k1, k2 = _rotate_rows_(K + b * stride_kb + head * stride_kh, cos, sin,
+                               (offs_h < HKV)[:, None], HALF)
+        slot = tl.load(SLOT + b).to(tl.int64)
+        mask = (offs_h < HKV)[:, None] & (slot >= 0) & (slot < S_MAX)
+        offs_d = tl.arange(0, HALF)[None, :]
+        dst = b * stride_cb + slot * stride_cs + head * stride_ch + offs_d
+        tl.store(KC + dst, k1, mask=mask)
+        tl.store(KC + dst + HALF, k2, mask=mask)
+        src = V + b * stride_vb + head * stride_vh + offs_d
+        tl.store(VC + dst, tl.load(src, mask=mask), mask=mask)
+        tl.store(VC + dst + HALF, tl.load(src + HALF, mask=mask), mask=mask)
+
+
+def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor, pos: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, slot: torch.Tensor) -> None:
+    """rope_ of q [B, Hq, D] and k [B, Hkv, D] in place at positions pos [B] (any stride), then
+    store_kv of k and v [B, Hkv, D] at slot [B] int64: one launch. q/k/v unit stride in D;
+    caches [B, S_max, Hkv, D] contiguous; cos/sin the [max_seq_len, D] float32 tables."""
+    B, HQ, D = q.shape
+    HKV = k.shape[1]
+    BLOCK_H = min(next_power_of_2(HQ), 16)
+    _rope_store_kv_kernel[(B, cdiv(HQ, BLOCK_H) + cdiv(HKV, BLOCK_H))](
+        q, k, v, cos, sin, pos, k_cache, v_cache, slot, k_cache.shape[1], q.stride(0),
+        q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), pos.stride(0),
+        cos.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), HQ, HKV,
+        HALF=D // 2, BLOCK_H=BLOCK_H, num_warps=2, **pdl_launch(q.device))

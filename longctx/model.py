@@ -26,7 +26,8 @@ from torch import nn
 from longctx.attention import attention
 from longctx.config import ModelArgs, check_chunk
 from longctx.decode import decode
-from longctx.ops import linear, linear_silu_mul, rms_norm, rope_, rope_tables, store_kv
+from longctx.ops import (linear, linear_silu_mul, rms_norm, rope_, rope_store_kv, rope_tables,
+                         store_kv)
 
 
 class RMSNorm(nn.Module):
@@ -97,12 +98,20 @@ class KVCache(nn.Module):
                 part.mul_(std.to(device=part.device, dtype=part.dtype)[:, None])
 
     def decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               step: tuple[torch.Tensor, torch.Tensor], return_lse: bool = False):
+               step: tuple[torch.Tensor, torch.Tensor], return_lse: bool = False,
+               rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
         """Write each sequence's new k/v [B, Hkv, D] at its slot and run `decode` over the first
         cache_seqlens entries, with (slot, cache_seqlens) = step_indices(input_pos).
-        q [B, Hq, D] -> o [B, Hq, D] (and lse [B, Hq] with return_lse)."""
+        q [B, Hq, D] -> o [B, Hq, D] (and lse [B, Hq] with return_lse).
+
+        rope: None when q and k come rotated; else (cos, sin tables [max_seq_len, D] float32,
+        positions [B] int64) for q and k that are not yet: they are rotated in place (`rope_`)
+        by the kernel that stores k and v (`rope_store_kv`: one launch instead of two)."""
         slot, cache_seqlens = step
-        store_kv(self.k_cache, self.v_cache, k, v, slot)
+        if rope is None:
+            store_kv(self.k_cache, self.v_cache, k, v, slot)
+        else:
+            rope_store_kv(q, k, v, *rope, self.k_cache, self.v_cache, slot)
         return decode(q, self.k_cache, self.v_cache, cache_seqlens=cache_seqlens,
                       return_lse=return_lse)
 
@@ -173,13 +182,16 @@ class Attention(nn.Module):
         KV cache's step_indices when decoding (S = 1), None for a prefill chunk."""
         B, S, _ = x.shape
         hq, hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
-        # One RoPE launch rotates q and k: they are adjacent heads of the fused projection.
         qkv = self.qkv_proj(x).view(B, S, hq + 2 * hkv, D)
-        rope_(qkv[:, :, :hq + hkv], *rope)
-        q, k, v = qkv.split([hq, hkv, hkv], dim=2)
         if step is not None:
-            o = self.kv_cache.decode(q[:, 0], k[:, 0], v[:, 0], step)[:, None]
+            # RoPE of q and k happens in the kernel that stores k and v (KVCache.decode).
+            q, k, v = qkv[:, 0].split([hq, hkv, hkv], dim=1)
+            cos, sin, pos = rope
+            o = self.kv_cache.decode(q, k, v, step, rope=(cos, sin, pos[:, 0]))[:, None]
         else:
+            # One RoPE launch rotates q and k: they are adjacent heads of the fused projection.
+            rope_(qkv[:, :, :hq + hkv], *rope)
+            q, k, v = qkv.split([hq, hkv, hkv], dim=2)
             o = self.kv_cache.prefill(q, k, v, input_pos)
         return self.o_proj(o.reshape(B, S, -1))
 

@@ -1,5 +1,6 @@
 """The model's small ops: batch-1 linear (plain, or fused with SiLU-and-multiply), RMSNorm,
-rotary embedding, SiLU-and-multiply, KV store.
+rotary embedding, SiLU-and-multiply, KV store, and a decode step's rotary embedding and KV store
+together.
 
 On CUDA each is one fused Triton kernel (longctx.kernels.fused); on the CPU the torch code
 below runs, and it is the reference the kernels are tested against.
@@ -118,3 +119,37 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     b = torch.arange(k.shape[0], device=k.device)
     k_cache[b, slot] = k
     v_cache[b, slot] = v
+
+
+def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor, pos: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, slot: torch.Tensor) -> None:
+    """A decode step's RoPE and KV-cache store: `rope_` of q [B, Hq, D] and k [B, Hkv, D] in
+    place at the positions pos [B] int64 (one token per sequence), then `store_kv` of k and
+    v [B, Hkv, D] at slot [B] int64 of k_cache/v_cache [B, S_max, Hkv, D].
+
+    The same math and the same bits as those two (float32 tables cos/sin [max_seq_len, D] of
+    `rope_tables`; a slot outside [0, S_max) is not written on CUDA). q/k/v may be strided
+    views (the heads of a fused projection) with unit stride in D. On CUDA one kernel does it
+    all (rope_ and store_kv are a launch each); on the CPU it is rope_ and store_kv.
+    """
+    B, hkv, D = k.shape
+    if q.dim() != 3 or q.shape[0] != B or q.shape[2] != D or v.shape != k.shape:
+        raise ValueError(f"q must be [B, Hq, D] and v [B, Hkv, D] like k {tuple(k.shape)}, got "
+                         f"q {tuple(q.shape)} and v {tuple(v.shape)}")
+    if k_cache.shape[0] != B or k_cache.shape[2:] != k.shape[1:] or v_cache.shape != k_cache.shape:
+        raise ValueError(f"k_cache and v_cache must be [{B}, S_max, {hkv}, {D}], got "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if pos.shape != (B,) or slot.shape != (B,):
+        raise ValueError(f"pos and slot must be [{B}], got {tuple(pos.shape)} and "
+                         f"{tuple(slot.shape)}")
+    if use_triton_for(q) and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1 \
+            and k_cache.is_contiguous() and v_cache.is_contiguous():
+        from longctx.kernels.fused import rope_store_kv as kernel
+
+        kernel(q, k, v, cos, sin, pos, k_cache, v_cache, slot)
+        return
+    pos = pos[:, None]
+    rope_(q[:, None], cos, sin, pos)
+    rope_(k[:, None], cos, sin, pos)
+    store_kv(k_cache, v_cache, k, v, slot)

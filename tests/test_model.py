@@ -99,8 +99,8 @@ def test_sample():
     torch.testing.assert_close(freq, torch.softmax(logits[0], -1), atol=0.07, rtol=0)
 
 
-def _small_model(device, batch=2, max_seq_len=40):
-    args = ModelArgs(n_layers=2, dim=64, n_heads=4, n_kv_heads=2, head_dim=16,
+def _small_model(device, batch=2, max_seq_len=40, n_heads=4):
+    args = ModelArgs(n_layers=2, dim=64, n_heads=n_heads, n_kv_heads=2, head_dim=16,
                      intermediate_size=64, vocab_size=64)
     return build_model(args, weights=RandomWeights(seed=1), device=device, dtype=torch.float32,
                        batch=batch, max_seq_len=max_seq_len)
@@ -132,6 +132,52 @@ def test_model_on_the_kernels_matches_the_reference_path(device):
         torch.testing.assert_close(g, w, **tol)
 
 
+@pytest.mark.parametrize("n_heads", [4, 6])  # GQA groups 2 and 3
+def test_decode_fuses_rope_and_kv_store(n_heads, device, monkeypatch):
+    """A decode step through the kernels launches one kernel per layer for RoPE and the KV store
+    (rope_store_kv; no rope_ or store_kv) and gives the logits and KV caches, bit for bit, of
+    the previous path, the rope_ and store_kv kernels one after the other (ragged positions:
+    each sequence at its own slot)."""
+    import longctx.kernels.fused as fused
+    import longctx.model as model_mod
+    from longctx import ops
+    from longctx.backend import force_triton
+
+    def separate(q, k, v, cos, sin, pos, k_cache, v_cache, slot):
+        ops.rope_(q[:, None], cos, sin, pos[:, None])
+        ops.rope_(k[:, None], cos, sin, pos[:, None])
+        ops.store_kv(k_cache, v_cache, k, v, slot)
+
+    launches = {}
+    for name in ("rope_", "store_kv", "rope_store_kv"):
+        def count(*args, _name=name, _fn=getattr(fused, name)):
+            launches[_name] = launches.get(_name, 0) + 1
+            return _fn(*args)
+        monkeypatch.setattr(fused, name, count)
+
+    models = [_small_model(device, n_heads=n_heads) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(5)).to(device)
+    logits = []
+    with torch.no_grad(), force_triton(device == "cpu"):
+        for i, model in enumerate(models):
+            with monkeypatch.context() as m:
+                if i == 1:
+                    m.setattr(model_mod, "rope_store_kv", separate)
+                model.prefill(tokens[:, :9], torch.arange(9, device=device))
+                launches.clear()
+                logits.append([model.decode_step(tokens[:, 9 + j],
+                                                 torch.tensor([9 + j, 9 + 3 * j], device=device))
+                               for j in range(4)])
+                if i == 0:
+                    assert launches == {"rope_store_kv": 4 * 2}, launches  # 4 steps x 2 layers
+    for got, want in zip(*logits):
+        assert torch.equal(got, want)
+    for a, b in zip(models[0].layers, models[1].layers):
+        assert torch.equal(a.self_attn.kv_cache.k_cache, b.self_attn.kv_cache.k_cache)
+        assert torch.equal(a.self_attn.kv_cache.v_cache, b.self_attn.kv_cache.v_cache)
+
+
 @pytest.mark.gpu
 def test_cuda_graph_decode_matches_eager():
     prompt = torch.randint(0, 64, (2, 17), device="cuda")
@@ -145,9 +191,9 @@ def test_cuda_graph_decode_matches_eager():
 @pytest.mark.gpu
 def test_batch1_decode_graph_is_bit_identical_to_eager():
     """Batch 1, where every decode-step kernel is one of ours launched with PDL (GEMV, fused
-    norms, RoPE, KV store, split-KV decode, merge): steps replayed from a CUDA graph, where the
-    kernels are back to back and overlap under PDL, give the same bits as eager steps launched
-    without PDL (strictly one kernel after another). A kernel that started reading or writing
+    norms, RoPE with the KV store, split-KV decode, merge): steps replayed from a CUDA graph,
+    where the kernels are back to back and overlap under PDL, give the same bits as eager steps
+    launched without PDL (strictly one kernel after another). A kernel that started reading or writing
     before its predecessor was done would show here."""
     from longctx.kernels.utils import pdl_off
 

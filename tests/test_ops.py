@@ -104,6 +104,121 @@ def test_store_kv(H, device):
             assert torch.equal(vc[b, others], before[1][b, others])
 
 
+def _rope_store_case(B, hq, hkv, D, S_max, dtype, device):
+    """A decode step's fused projection output qkv [B, hq + 2 hkv, D] and caches [B, S_max, hkv,
+    D] of random values."""
+    qkv = torch.randn(B, hq + 2 * hkv, D, device=device).to(dtype)
+    kc = torch.randn(B, S_max, hkv, D, device=device).to(dtype)
+    return qkv, kc, torch.randn_like(kc)
+
+
+def _rope_store(how, qkv, kc, vc, cos, sin, pos, slot):
+    """Copies of (qkv, kc, vc) after a decode step's RoPE and KV store, run `how`: "fused" (the
+    rope_store_kv kernel), "separate" (the rope_ and store_kv kernels, as the model ran them
+    before: one rope_ over the adjacent q and k heads) or "torch" (rope_store_kv's torch path)."""
+    qkv, kc, vc = qkv.clone(), kc.clone(), vc.clone()
+    hkv = kc.shape[2]
+    q, k, v = qkv.split([qkv.shape[1] - 2 * hkv, hkv, hkv], dim=1)
+    with force_triton(how != "torch" and not qkv.is_cuda):
+        if how == "separate":
+            ops.rope_(qkv[:, None, :-hkv], cos, sin, pos[:, None])
+            ops.store_kv(kc, vc, k, v, slot)
+        elif how == "torch" and qkv.is_cuda:  # CUDA tensors always take the kernel
+            out = _rope_store("torch", *(t.cpu() for t in (qkv, kc, vc, cos, sin, pos, slot)))
+            return tuple(t.to(qkv.device) for t in out)
+        else:
+            ops.rope_store_kv(q, k, v, cos, sin, pos, kc, vc, slot)
+    return qkv, kc, vc
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, *HALF])
+@pytest.mark.parametrize("hq,hkv", [(2, 2), (6, 2), (3, 1), (20, 4)])  # GQA 1, 3, 3, 5
+def test_rope_store_kv(dtype, hq, hkv, device):
+    """The decode step's fused RoPE + KV store gives the bits of the rope_ and store_kv kernels
+    and of the torch path (on CUDA torch may round differently: FMA contraction), for ragged
+    positions (table rows 0 and last) and slots (0 and S_max - 1); q and k are rotated in
+    place, v is left alone, and only each sequence's slot of the caches changes. 20 q heads:
+    two blocks of 16."""
+    B, D, S_max, T = 4, 32, 9, 40
+    cos, sin = ops.rope_tables(T, D, 10000.0, torch.device(device))
+    qkv, kc, vc = _rope_store_case(B, hq, hkv, D, S_max, dtype, device)
+    pos = torch.tensor([0, T - 1, 17, 5], device=device)
+    slot = torch.tensor([0, S_max - 1, 4, 5], device=device)
+    fused = _rope_store("fused", qkv, kc, vc, cos, sin, pos, slot)
+    for got, want in zip(fused, _rope_store("separate", qkv, kc, vc, cos, sin, pos, slot)):
+        assert torch.equal(got, want)
+    torch_path = _rope_store("torch", qkv, kc, vc, cos, sin, pos, slot)
+    for got, want in zip(fused, torch_path):
+        if device == "cpu":  # the interpreter computes as torch does
+            assert torch.equal(got, want)
+        else:
+            torch.testing.assert_close(got.float(), want.float(), **_tol(dtype))
+    out, kc_out, vc_out = fused
+    want = _rope_fp64(qkv[:, None, :hq + hkv], cos, sin, pos[:, None])[:, 0]
+    torch.testing.assert_close(out[:, :hq + hkv].double(), want, **_tol(dtype))
+    assert torch.equal(out[:, hq + hkv:], qkv[:, hq + hkv:])  # v
+    b = torch.arange(B, device=device)
+    assert torch.equal(kc_out[b, slot], out[:, hq:hq + hkv])  # the rotated k
+    assert torch.equal(vc_out[b, slot], qkv[:, hq + hkv:])
+    kc_out[b, slot], vc_out[b, slot] = kc[b, slot], vc[b, slot]
+    assert torch.equal(kc_out, kc) and torch.equal(vc_out, vc)  # nothing else written
+    assert torch.equal(out[0], qkv[0])  # position 0 is the identity
+
+
+def test_rope_store_kv_skips_slots_out_of_range(device):
+    """A slot outside [0, S_max) is not written (as store_kv's kernel: the decode that follows
+    flags the sequence), while q and k are still rotated; the other sequences are stored."""
+    B, hq, hkv, D, S_max = 3, 3, 1, 16, 5
+    cos, sin = ops.rope_tables(8, D, 10000.0, torch.device(device))
+    qkv, kc, vc = _rope_store_case(B, hq, hkv, D, S_max, torch.float16, device)
+    pos, slot = torch.tensor([3, 7, 1], device=device), torch.tensor([-1, 2, S_max], device=device)
+    fused = _rope_store("fused", qkv, kc, vc, cos, sin, pos, slot)
+    for got, want in zip(fused, _rope_store("separate", qkv, kc, vc, cos, sin, pos, slot)):
+        assert torch.equal(got, want)
+    out, kc_out, vc_out = fused
+    assert not torch.equal(out[:, :hq + hkv], qkv[:, :hq + hkv])  # rotated
+    for b in (0, 2):
+        assert torch.equal(kc_out[b], kc[b]) and torch.equal(vc_out[b], vc[b])
+    assert torch.equal(kc_out[1, 2], out[1, hq:hq + hkv])
+
+
+def test_rope_store_kv_rejects_bad_shapes():
+    cos, sin = ops.rope_tables(8, 16, 10000.0, torch.device("cpu"))
+    q, k = torch.zeros(2, 3, 16), torch.zeros(2, 1, 16)
+    kc = torch.zeros(2, 5, 1, 16)
+    pos = slot = torch.zeros(2, dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"q must be \[B, Hq, D\]"):
+        ops.rope_store_kv(q[:, :, :8], k, k, cos, sin, pos, kc, kc, slot)
+    with pytest.raises(ValueError, match=r"k_cache and v_cache must be \[2, S_max, 1, 16\]"):
+        ops.rope_store_kv(q, k, k, cos, sin, pos, kc, torch.zeros(2, 5, 2, 16), slot)
+    with pytest.raises(ValueError, match=r"pos and slot must be \[2\]"):
+        ops.rope_store_kv(q, k, k, cos, sin, pos[:, None], kc, kc, slot)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hq,hkv", [(64, 8), (32, 4), (24, 8), (8, 1)])
+def test_rope_store_kv_gpu_bf16(hq, hkv):
+    """bf16 on CUDA at model sizes (CodeLlama-34B's heads, its tp=2 and tp=8 shards, GQA 3):
+    the fused kernel gives the bits of the rope_ and store_kv kernels, and its q/k error
+    against float64 is at most twice that of the torch path in bf16."""
+    B, D, S_max, T = 5, 128, 4096, 8192
+    cos, sin = ops.rope_tables(T, D, 1e6, torch.device("cuda"))
+    qkv, kc, vc = _rope_store_case(B, hq, hkv, D, S_max, torch.bfloat16, "cuda")
+    pos = torch.tensor([0, T - 1, 4095, 123, 7000], device="cuda")
+    slot = torch.tensor([0, S_max - 1, 4095, 123, 17], device="cuda")
+    fused = _rope_store("fused", qkv, kc, vc, cos, sin, pos, slot)
+    for got, want in zip(fused, _rope_store("separate", qkv, kc, vc, cos, sin, pos, slot)):
+        assert torch.equal(got, want)
+    torch_out = _rope_store("torch", qkv, kc, vc, cos, sin, pos, slot)[0]
+    want = _rope_fp64(qkv[:, None, :hq + hkv], cos, sin, pos[:, None])[:, 0]
+    err = (fused[0][:, :hq + hkv].double() - want).abs().max()
+    err_torch = (torch_out[:, :hq + hkv].double() - want).abs().max()
+    assert err <= 2 * err_torch + 1e-6, (err, err_torch)
+    b = torch.arange(B, device="cuda")
+    assert torch.equal(fused[1][b, slot], fused[0][:, hq:hq + hkv])
+    assert torch.equal(fused[2][b, slot], qkv[:, hq + hkv:])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, *HALF])
 def test_rms_norm_with_residual_add(dtype, device):
     x = (torch.randn(2, 3, 300, device=device) * 3).to(dtype)
