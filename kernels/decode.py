@@ -4,9 +4,11 @@ One query token per sequence attends to its KV cache (contiguous or paged, ragge
 lengths). The KV range of every sequence is cut into ``num_splits`` chunks; each
 Triton program handles one (split, batch, kv-head) triple and *all* query heads of
 that GQA group, so every K/V byte is read from HBM exactly once. Each program
-writes a partial, normalised output and its log-sum-exp; the caller merges the
-partials (e.g. with the standard LSE-weighted combine, which is also how partials
-from other GPUs / other KV shards are merged).
+writes a partial, normalised output and its log-sum-exp; the merge layer's rule
+combines them (as it combines partials from other GPUs / other KV shards), either in
+a second launch (kernels/merge.py) or, with few splits, in the split kernel itself:
+each program counts itself in (an atomic per group) and the last to arrive merges
+its group's partials (`fuse_merge` says when, with the measurements).
 
 The split ranges are computed inside the kernel from ``cache_seqlens`` (a device
 tensor). The launch grid depends only on ``num_splits``, batch and head counts,
@@ -202,11 +204,14 @@ def _decode_split_kernel(
     if FUSED_MERGE:
         # Count this split in; the program that arrives last merges its group's splits (the
         # merge layer's rule) while the others have exited. The barrier orders every warp's
-        # stores before the count, whose release (acq_rel, GPU scope) publishes them; its
-        # acquire, for the last program, orders the other splits' stores before the reads.
+        # stores before the count (one thread's atomic), whose release (GPU scope) publishes
+        # them; its acquire, passed on to the program's other warps by the second barrier,
+        # orders the other splits' stores before the reads (the pattern of CUTLASS's
+        # split-K semaphore).
         tl.debug_barrier()
         counter = ARRIVED + bh * tl.num_programs(2) + hblk
         if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+            tl.debug_barrier()
             tl.store(counter, 0)  # zero again for the next launch (stream order)
             rows = tl.arange(0, MERGE_H)
             head0 = hkv * GROUP + hblk * BLOCK_H  # the program's first query head
@@ -215,7 +220,7 @@ def _decode_split_kernel(
             o_m, lse_m = _merge_parts(
                 O_PART + b64 * stride_ob + head0.to(tl.int64) * stride_oh,
                 LSE_PART + b64 * stride_lb + head0, num_splits, stride_os, stride_oh, stride_ls,
-                rows, r_mask, offs_d, offs_d < HEAD_DIM, MERGE_P, ".cg")
+                rows, r_mask, offs_d, offs_d < HEAD_DIM, MERGE_P)
             o_m = tl.where(len_ok, o_m, float("nan"))  # as each split's (an invalid length)
             lse_m = tl.where(len_ok, lse_m, float("nan"))
             out_ptrs = (O + b64 * stride_out_b + heads[:, None].to(tl.int64) * stride_out_h
@@ -393,7 +398,7 @@ class DecodePlan:
         if num_splits == 1:
             self.split = _split_launch(q, k_cache, v_cache, cache_seqlens, block_table,
                                        softmax_scale, 1, q.dtype)
-        elif fuse_merge(merge):
+        elif fuse_merge(num_splits, merge):
             self.split = _split_launch(q, k_cache, v_cache, cache_seqlens, block_table,
                                        softmax_scale, num_splits, torch.float32, fused_merge=True)
             self.counters = fused_counters(q, k_cache)
@@ -453,20 +458,27 @@ class DecodePlan:
         return o, lse
 
 
-# How DecodePlan merges more than one split by default: "fused" (the split kernel's last
-# program per group, one launch) or "separate" (the merge layer's kernel, a second launch).
-# LONGCTX_DECODE_MERGE overrides "auto" for A/B measurements (bench/host_time.py).
+# How DecodePlan merges more than one split: "fused" (the split kernel's last program per
+# group, one launch), "separate" (the merge layer's kernel, a second launch) or "auto": fused
+# up to FUSED_MERGE_MAX_SPLITS splits. Measured on an H200 (fp16, 16/2 heads, D=128, graph
+# replay, µs per call, separate -> fused): 2 splits 22.0 -> 20.6-21.0, 4 splits 20.8 -> 20.7,
+# 8 splits 20.8 -> 23.2, 16 splits 21.0 -> 24.4, 64 splits 20.9 -> 28.7. The fused merge
+# runs on B * Hkv programs after the others have finished, one split after another; the
+# separate kernel spreads it over B * Hq * D / 32 programs and starts early (PDL). Eager, one
+# launch saves ~3 µs of host time (bench/host_time.py). LONGCTX_DECODE_MERGE overrides "auto"
+# for A/B measurements.
+FUSED_MERGE_MAX_SPLITS = 4
 DECODE_MERGE = os.environ.get("LONGCTX_DECODE_MERGE", "auto")
 
 
-def fuse_merge(merge: str = "auto") -> bool:
-    """Whether a multi-split decode merges inside the split kernel: `merge`, or with "auto"
-    DECODE_MERGE, or with "auto" there the measured default."""
+def fuse_merge(num_splits: int, merge: str = "auto") -> bool:
+    """Whether a decode over num_splits > 1 splits merges inside the split kernel: `merge`, or
+    with "auto" DECODE_MERGE, or with "auto" there num_splits <= FUSED_MERGE_MAX_SPLITS."""
     if merge == "auto":
         merge = DECODE_MERGE
     if merge not in ("auto", "fused", "separate"):
         raise ValueError(f"decode merge must be 'auto', 'fused' or 'separate', got {merge!r}")
-    return merge != "separate"
+    return merge == "fused" or (merge == "auto" and num_splits <= FUSED_MERGE_MAX_SPLITS)
 
 
 def flash_decode(

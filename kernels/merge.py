@@ -31,7 +31,7 @@ def _state_lse(m, s):
 
 @triton.jit
 def _merge_parts(O, LSE, P, stride_op, stride_or, stride_lp, offs_r, r_mask, offs_d, d_mask,
-                 BLOCK_P: tl.constexpr, CACHE: tl.constexpr):
+                 BLOCK_P: tl.constexpr):
     """All P parts of rows offs_r [R] over head_dim columns offs_d [C], merged by one program:
     part p of row r is O[p * stride_op + r * stride_or + d] (any float dtype) with
     LSE[p * stride_lp + r] (float32). Returns (o [R, C] float32 normalised, lse [R] float32).
@@ -39,8 +39,7 @@ def _merge_parts(O, LSE, P, stride_op, stride_or, stride_lp, offs_r, r_mask, off
     The parts are folded into the running state one at a time, BLOCK_P of them per loop step
     (unrolled, so their loads are in flight together): no reduction across threads, which a
     [parts, rows, columns] tile would need per step (measured ~0.5 µs per part in the decode
-    kernel's fused merge). CACHE: the loads' cache modifier (".cg" for parts other programs
-    of the same launch wrote: read from L2, not L1)."""
+    kernel's fused merge, against ~0.14 µs so)."""
     # Running state: lse = m + log(s), o = acc / s. m = -inf, s = 0 is the empty state.
     m = tl.full(offs_r.shape, float("-inf"), tl.float32)
     s = tl.zeros(offs_r.shape, dtype=tl.float32)
@@ -50,9 +49,9 @@ def _merge_parts(O, LSE, P, stride_op, stride_or, stride_lp, offs_r, r_mask, off
         for i in tl.static_range(BLOCK_P):
             p = p0 + i
             lse = tl.load(LSE + p * stride_lp + offs_r, mask=r_mask & (p < P),
-                          other=float("-inf"), cache_modifier=CACHE)
+                          other=float("-inf"))
             o = tl.load(O + p * stride_op + o_offs, mask=(r_mask[:, None] & d_mask[None, :]) & (p < P),
-                        other=0.0, cache_modifier=CACHE)
+                        other=0.0)
             m_new = tl.maximum(m, lse)
             alpha, w = _rescale(m, m_new, lse)
             # An empty part's O may be anything, NaN included: never multiplied by its zero weight.

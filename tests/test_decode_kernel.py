@@ -222,6 +222,27 @@ def test_fused_merge(case, num_splits, dtype):
     assert torch.all(lse.cpu()[~ne] == -math.inf) and torch.all(o.cpu()[~ne] == 0)
 
 
+def test_fuse_merge_rule(monkeypatch):
+    """"auto" fuses the merge up to FUSED_MERGE_MAX_SPLITS splits (measured: beyond, the separate
+    kernel is faster); "fused" / "separate" and LONGCTX_DECODE_MERGE's value override it."""
+    import longctx.kernels.decode as kd
+
+    limit = kd.FUSED_MERGE_MAX_SPLITS
+    assert kd.fuse_merge(2) and kd.fuse_merge(limit) and not kd.fuse_merge(limit + 1)
+    assert kd.fuse_merge(64, "fused") and not kd.fuse_merge(2, "separate")
+    monkeypatch.setattr(kd, "DECODE_MERGE", "separate")
+    assert not kd.fuse_merge(2) and kd.fuse_merge(64, "fused")
+    monkeypatch.setattr(kd, "DECODE_MERGE", "fused")
+    assert kd.fuse_merge(64)
+    with pytest.raises(ValueError, match="merge"):
+        kd.fuse_merge(2, "sometimes")
+    q, k = torch.randn(1, 4, 16), torch.randn(1, 64, 2, 16)
+    monkeypatch.setattr(kd, "DECODE_MERGE", "auto")
+    for splits, fused in ((1, False), (limit, True), (limit + 1, False)):
+        plan = kd.DecodePlan(q, k, k, None, None, 0.25, splits, False)
+        assert (plan.counters > 0) == fused and (plan.merge is None) == (splits == 1 or fused)
+
+
 def test_group16_and_strided_q():
     """G=16 (BLOCK_H == G), non-contiguous q ([Hq,B,D] transposed) and a non-default scale."""
     gen = torch.Generator().manual_seed(3)

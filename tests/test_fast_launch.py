@@ -386,7 +386,7 @@ def test_stream_counters_reuse_growth_and_capture(monkeypatch):
     once the pool is used up."""
     monkeypatch.setattr(L, "_counters", {})
     monkeypatch.setattr(L, "_capture_pool", {})
-    monkeypatch.setattr(L, "_CAPTURE_POOL_INTS", 100)
+    monkeypatch.setattr(L, "_CAPTURE_POOL_INTS", 160)
     monkeypatch.setattr(L, "_scratch_device", lambda device: torch.device("cpu"))
     monkeypatch.setattr(L, "_capturing", lambda: False)
     stream = [7]
@@ -404,7 +404,7 @@ def test_stream_counters_reuse_growth_and_capture(monkeypatch):
     c1, c2 = L.stream_counters(40, 0), L.stream_counters(40, 0)
     assert c1.numel() == c2.numel() == 40 and not c1.any() and not c2.any()
     assert c1.data_ptr() == pool.data_ptr() and c2.data_ptr() >= c1.data_ptr() + 4 * 40
-    c3 = L.stream_counters(40, 0)  # 128 ints would not fit in 100: the pool is used up
+    c3 = L.stream_counters(40, 0)  # 128 + 40 ints would not fit in 160: the pool is used up
     assert c3.untyped_storage().data_ptr() != pool.untyped_storage().data_ptr() and not c3.any()
 
 
