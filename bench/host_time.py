@@ -6,7 +6,9 @@ CUDA-graph replay time beside them. One command on a fresh GPU machine (no Hydra
     python bench/host_time.py --stub            # CPU only: the fast path's Python side, in parts
 
 Implementations, each on the same inputs: longctx with fast launches (the default), longctx
-with Triton's generic launch path (`fast_launch(False)`, the A/B baseline), SDPA with the flash
+with Triton's generic launch path (`fast_launch(False)`, the A/B baseline), decode with the
+merge of the splits fused into the split kernel and as a second launch at every shape
+(`longctx_fused`, `longctx_separate`; the default fuses up to 4 splits), SDPA with the flash
 and the cuDNN backends (on their preferred [B, H, S, D] layout). Decode: configs/bench.yaml's
 decode case (fp16, 16 query / 2 KV heads, D=128, all sequences full, `cache_seqlens` given).
 Prefill: bf16, batch 1, 16 query / 2 KV heads, D=128, causal, --prefill rows; longctx also with
@@ -188,7 +190,8 @@ def _implementations(kind: str) -> dict[str, Callable]:
         "sdpa_flash": lambda t: (sdpa(t), lambda: sdpa_kernel(SDPBackend.FLASH_ATTENTION)),
         "sdpa_cudnn": lambda t: (sdpa(t), lambda: sdpa_kernel(SDPBackend.CUDNN_ATTENTION)),
     }
-    if kind == "decode":  # the default fuses the merge of the splits; the second launch beside it
+    if kind == "decode":  # the default fuses the merge of few splits: both ways at every shape
+        impls["longctx_fused"] = lambda t: (ours(t), lambda: _decode_merge("fused"))
         impls["longctx_separate"] = lambda t: (ours(t), lambda: _decode_merge("separate"))
     if kind == "prefill":
         impls["longctx_triton"] = lambda t: (ours(t), lambda: _prefill_kernel("triton"))
@@ -253,7 +256,8 @@ def _measure_row(row: dict, impls: dict, t: dict, calls: int, cpm: float) -> dic
 
 
 # ------------------------------------------------------------------------------------ report
-_COLS = ("longctx", "longctx_generic", "longctx_separate", "longctx_triton", "sdpa_flash", "sdpa_cudnn")
+_COLS = ("longctx", "longctx_generic", "longctx_fused", "longctx_separate", "longctx_triton",
+         "sdpa_flash", "sdpa_cudnn")
 
 
 def _num(x) -> str:
