@@ -1,5 +1,5 @@
 """Eager calls of the public API against SDPA: host time per call, eager wall time per call and the
-CUDA-graph replay time beside them. One command on a fresh GPU machine (no Hydra):
+CUDA-graph replay time beside them. One command on a GPU machine:
 
     python bench/host_time.py                   # decode seed shapes + three prefill shapes
     python bench/host_time.py --decode 1x65536 --prefill 2048 --calls 100
@@ -47,6 +47,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without `pip install -e .`, too
+sys.path.insert(0, str(ROOT / "launch"))  # launch/bench.py's timing helpers
 
 REPS = 7
 
@@ -96,16 +97,9 @@ def eager_us(fn: Callable[[], object], calls: int) -> float:
 
 def graph_us(fn: Callable[[], object], calls: int) -> float:
     """µs per call of `calls` calls captured in one CUDA graph and replayed (median over REPS)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
+    from bench import capture_graph  # launch/bench.py
+
+    g = capture_graph(fn, calls)
     g.replay()
     times = []
     for _ in range(REPS):

@@ -71,8 +71,9 @@ def bench_ms(fn: Callable[[], object], warmup_ms: float = 25, rep_ms: float = 10
     return times[len(times) // 2]
 
 
-def graph_ms(fn: Callable[[], object], warmup_ms: float = 25, rep_ms: float = 100) -> float:
-    """Median ms of `fn` replayed from a CUDA graph (launch overhead removed); see bench_ms."""
+def capture_graph(fn: Callable[[], object], calls: int = 1) -> torch.cuda.CUDAGraph:
+    """`calls` calls of fn captured in one CUDA graph, after 3 warm-up calls on a side stream
+    (compiles and caching-allocator blocks happen outside the capture)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -81,8 +82,14 @@ def graph_ms(fn: Callable[[], object], warmup_ms: float = 25, rep_ms: float = 10
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        fn()
-    return bench_ms(g.replay, warmup_ms, rep_ms)
+        for _ in range(calls):
+            fn()
+    return g
+
+
+def graph_ms(fn: Callable[[], object], warmup_ms: float = 25, rep_ms: float = 100) -> float:
+    """Median ms of `fn` replayed from a CUDA graph (launch overhead removed); see bench_ms."""
+    return bench_ms(capture_graph(fn).replay, warmup_ms, rep_ms)
 
 
 def try_peer(name: str, make: Callable[[], Callable[[], torch.Tensor]], ref: torch.Tensor,
