@@ -283,8 +283,12 @@ def _split_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     sk, sv = k_cache.stride(), v_cache.stride()
     # Fused merge: the last program of a group merges MERGE_H query heads (its own, padded to a
     # power of two) over MERGE_P splits per load, 64 float32 registers per thread of tile.
-    merge_h = min(block_h, next_power_of_2(group))
-    merge_p = max(1, min(next_power_of_2(num_splits), 64 * 32 * num_warps // (merge_h * D)))
+    # Unfused launches keep the defaults: one binary whatever the split count.
+    merge = {}
+    if fused_merge:
+        merge_h = min(block_h, next_power_of_2(group))
+        merge_p = max(1, min(next_power_of_2(num_splits), 64 * 32 * num_warps // (merge_h * D)))
+        merge = dict(FUSED_MERGE=True, MERGE_H=merge_h, MERGE_P=merge_p)
     return Launch(
         _decode_split_kernel, (num_splits, B * Hkv, cdiv(group, block_h)),
         (q.dtype, k_cache.dtype, v_cache.dtype, sl_dtype,
@@ -298,9 +302,8 @@ def _split_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
          Hq * D, D, Hq),  # o and lse (fused merge), contiguous
         dict(HKV=Hkv, GROUP=group, HEAD_DIM=D, BLOCK_H=block_h, BLOCK_N=block_n, PAGED=paged,
              PAGE_SIZE=page_size, INPUT_PRECISION=precision, INTERPRET_LOOP=_INTERPRET,
-             HAS_SEQLENS=cache_seqlens is not None, FUSED_MERGE=fused_merge, MERGE_H=merge_h,
-             MERGE_P=merge_p, num_warps=num_warps, num_stages=num_stages,
-             **pdl_launch(q.device)))
+             HAS_SEQLENS=cache_seqlens is not None, **merge, num_warps=num_warps,
+             num_stages=num_stages, **pdl_launch(q.device)))
 
 
 def fused_counters(q: torch.Tensor, k_cache: torch.Tensor) -> int:
