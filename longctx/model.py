@@ -26,8 +26,7 @@ from torch import nn
 from longctx.attention import attention
 from longctx.config import ModelArgs, check_chunk
 from longctx.decode import decode
-from longctx.ops import (linear, linear_silu_mul, rms_norm, rope_, rope_store_kv, rope_tables,
-                         store_kv)
+from longctx.ops import linear, linear_silu_mul, rms_norm, rope_, rope_store_kv, rope_tables
 
 
 class RMSNorm(nn.Module):
@@ -98,20 +97,15 @@ class KVCache(nn.Module):
                 part.mul_(std.to(device=part.device, dtype=part.dtype)[:, None])
 
     def decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               step: tuple[torch.Tensor, torch.Tensor], return_lse: bool = False,
-               rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
-        """Write each sequence's new k/v [B, Hkv, D] at its slot and run `decode` over the first
-        cache_seqlens entries, with (slot, cache_seqlens) = step_indices(input_pos).
-        q [B, Hq, D] -> o [B, Hq, D] (and lse [B, Hq] with return_lse).
-
-        rope: None when q and k come rotated; else (cos, sin tables [max_seq_len, D] float32,
-        positions [B] int64) for q and k that are not yet: they are rotated in place (`rope_`)
-        by the kernel that stores k and v (`rope_store_kv`: one launch instead of two)."""
+               step: tuple[torch.Tensor, torch.Tensor],
+               rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor], return_lse: bool = False):
+        """Rotate q [B, Hq, D] and k [B, Hkv, D] in place, write each sequence's new k/v at its
+        slot and run `decode` over the first cache_seqlens entries, with (slot, cache_seqlens) =
+        step_indices(input_pos). rope = (cos, sin tables [max_seq_len, D] float32, positions [B]
+        int64); the kernel that stores k and v rotates them (`rope_store_kv`: one launch).
+        -> o [B, Hq, D] (and lse [B, Hq] with return_lse)."""
         slot, cache_seqlens = step
-        if rope is None:
-            store_kv(self.k_cache, self.v_cache, k, v, slot)
-        else:
-            rope_store_kv(q, k, v, *rope, self.k_cache, self.v_cache, slot)
+        rope_store_kv(q, k, v, *rope, self.k_cache, self.v_cache, slot)
         return decode(q, self.k_cache, self.v_cache, cache_seqlens=cache_seqlens,
                       return_lse=return_lse)
 
@@ -187,7 +181,7 @@ class Attention(nn.Module):
             # RoPE of q and k happens in the kernel that stores k and v (KVCache.decode).
             q, k, v = qkv[:, 0].split([hq, hkv, hkv], dim=1)
             cos, sin, pos = rope
-            o = self.kv_cache.decode(q, k, v, step, rope=(cos, sin, pos[:, 0]))[:, None]
+            o = self.kv_cache.decode(q, k, v, step, (cos, sin, pos[:, 0]))[:, None]
         else:
             # One RoPE launch rotates q and k: they are adjacent heads of the fused projection.
             rope_(qkv[:, :, :hq + hkv], *rope)

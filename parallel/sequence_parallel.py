@@ -128,13 +128,13 @@ class SequenceParallelKVCache(KVCache):
         return max(0, -(-(context_len - self.rank) // self.sp))
 
     def decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               step: tuple[torch.Tensor, torch.Tensor], return_lse: bool = False,
-               rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
+               step: tuple[torch.Tensor, torch.Tensor],
+               rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor], return_lse: bool = False):
         """q [B, Hq, D], new k/v [B, Hkv, D], step = step_indices(input_pos) -> o [B, Hq, D]
         (and lse [B, Hq]): the attention over all positions <= input_pos of the whole sp group.
         rope as in KVCache.decode: every rank rotates q (and k, stored at its slot: the owned
         position's, or the scratch slot) before attending to its shard."""
-        o, lse = super().decode(q, k, v, step, return_lse=True, rope=rope)
+        o, lse = super().decode(q, k, v, step, rope, return_lse=True)
         o, lse = merge_states_group(o, lse, self.group)
         return (o, lse) if return_lse else o
 
