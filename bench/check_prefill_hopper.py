@@ -39,7 +39,6 @@ IDLE_S = 90          # watchdog: a child silent this long is considered hung (co
 TOTAL_S = 420        # hard cap per child
 ROUNDS = 3
 REP_MS = 40
-ENV = "LONGCTX_PREFILL_KERNEL"
 VARLEN = dict(total=65536, num_seqs=8, seed=0)   # launch/bench.py's issue22 varlen rows
 
 
@@ -85,10 +84,11 @@ class GluonCounter:
 
 
 def set_kernel(choice):
-    if choice == "triton":
-        os.environ[ENV] = "triton"
-    else:
-        os.environ.pop(ENV, None)
+    """Every later call runs `choice` ("auto" or "triton"), as `prefill_kernel(choice)` does in
+    its block."""
+    import longctx.kernels.prefill as P
+
+    P._prefill_choice = P._parse_prefill_kernel(choice)
 
 
 def rand(shape, dtype, g):

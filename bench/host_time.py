@@ -18,9 +18,11 @@ applies). Backend and launch-path switches are set once around a measurement, no
 Per implementation and shape, µs per call:
   host   the CPU time of one call while the GPU is held busy (a `torch.cuda._sleep` kernel queued
          first, long enough for all --calls calls): what the call costs the caller's thread,
-         never waiting on the GPU. Minimum over 7 repetitions.
+         never waiting on the GPU, with Python's garbage collector off (as `timeit`). Minimum
+         over 7 rounds, each running every implementation once, so that a slow spell of the
+         host (other tenants, clocks) falls on all of them alike.
   eager  --calls back-to-back calls and a synchronize, per call: what an eager loop runs at,
-         max(host, GPU) plus the gaps between. Median over 7 repetitions.
+         max(host, GPU) plus the gaps between. Median over the same 7 rounds.
   graph  the same calls captured in one CUDA graph, replayed, per call: the GPU time of a call
          with the launch cost removed. Median over 7 repetitions.
 The targets of issue 20 are checked in the last columns: longctx decode host <= 20 µs, eager
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import importlib
 import json
 import os
@@ -66,33 +69,34 @@ def _cycles_per_ms() -> float:
 
 
 def host_us(fn: Callable[[], object], calls: int, cycles_per_ms: float) -> float:
-    """CPU µs per call with the GPU held busy, so no call waits for the GPU (min over REPS)."""
-    best = float("inf")
-    for _ in range(REPS):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        one = time.perf_counter() - t  # an upper bound for one call's host time
-        torch.cuda._sleep(int(cycles_per_ms * max(20.0, 3e3 * one * calls)))
+    """CPU µs per call of `calls` calls with the GPU held busy, so that no call waits for it;
+    Python's garbage collector off, as `timeit` runs (one full collection would add ms)."""
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    fn()
+    one = time.perf_counter() - t  # an upper bound for one call's host time
+    torch.cuda._sleep(int(cycles_per_ms * max(20.0, 3e3 * one * calls)))
+    gc_was_on = gc.isenabled()
+    gc.disable()
+    try:
         t = time.perf_counter()
         for _ in range(calls):
             fn()
-        best = min(best, (time.perf_counter() - t) / calls * 1e6)
-    torch.cuda.synchronize()
-    return best
+        return (time.perf_counter() - t) / calls * 1e6
+    finally:
+        if gc_was_on:
+            gc.enable()
+        torch.cuda.synchronize()
 
 
 def eager_us(fn: Callable[[], object], calls: int) -> float:
-    """Wall µs per call of `calls` back-to-back calls and a synchronize (median over REPS)."""
-    times = []
-    for _ in range(REPS):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t) / calls * 1e6)
-    return statistics.median(times)
+    """Wall µs per call of `calls` back-to-back calls and a synchronize."""
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / calls * 1e6
 
 
 def graph_us(fn: Callable[[], object], calls: int) -> float:
@@ -114,32 +118,18 @@ def graph_us(fn: Callable[[], object], calls: int) -> float:
     return statistics.median(times)
 
 
-def measure(fn: Callable[[], object], calls: int, cycles_per_ms: float) -> dict:
+def measure(fn: Callable[[], object], calls: int) -> dict:
+    """graph_us of fn (host and eager times are measured across implementations: `_measure_row`)."""
     fn()
     torch.cuda.synchronize()
-    out = {"host_us": host_us(fn, calls, cycles_per_ms), "eager_us": eager_us(fn, calls)}
     try:
-        out["graph_us"] = graph_us(fn, calls)
+        return {"graph_us": graph_us(fn, calls)}
     except Exception as e:  # noqa: BLE001 - reported, not fatal
         torch.cuda.synchronize()
-        out["graph_us"], out["graph_note"] = None, f"{type(e).__name__}: {str(e)[:100]}"
-    return out
+        return {"graph_us": None, "graph_note": f"{type(e).__name__}: {str(e)[:100]}"}
 
 
 # ------------------------------------------------------------------------------------ cases
-@contextlib.contextmanager
-def _prefill_kernel(value: str):
-    prev = os.environ.get("LONGCTX_PREFILL_KERNEL")
-    os.environ["LONGCTX_PREFILL_KERNEL"] = value
-    try:
-        yield
-    finally:
-        if prev is None:
-            del os.environ["LONGCTX_PREFILL_KERNEL"]
-        else:
-            os.environ["LONGCTX_PREFILL_KERNEL"] = prev
-
-
 @contextlib.contextmanager
 def _decode_merge(value: str):
     """Decode plans made inside merge their splits `value` ("fused" or "separate")."""
@@ -188,7 +178,9 @@ def _implementations(kind: str) -> dict[str, Callable]:
         impls["longctx_fused"] = lambda t: (ours(t), lambda: _decode_merge("fused"))
         impls["longctx_separate"] = lambda t: (ours(t), lambda: _decode_merge("separate"))
     if kind == "prefill":
-        impls["longctx_triton"] = lambda t: (ours(t), lambda: _prefill_kernel("triton"))
+        from longctx.kernels.prefill import prefill_kernel
+
+        impls["longctx_triton"] = lambda t: (ours(t), lambda: prefill_kernel("triton"))
     return impls
 
 
@@ -235,15 +227,27 @@ def run_prefill(lengths: list[int], calls: int, cpm: float) -> list[dict]:
 
 
 def _measure_row(row: dict, impls: dict, t: dict, calls: int, cpm: float) -> dict:
-    """Every implementation on inputs t into row (a peer that cannot run is noted); prints it."""
+    """Every implementation on inputs t into row (a peer that cannot run is noted); prints it.
+    Host and eager times come from REPS rounds, each running every implementation once, so that
+    a slow spell of the host falls on all of them alike: host the minimum, eager the median."""
+    made = {}
     for name, make in impls.items():
         try:
             fn, context = make(t)
             with context():
-                row[name] = measure(fn, calls, cpm)
+                row[name] = measure(fn, calls)
+            made[name] = (fn, context)
         except Exception as e:  # noqa: BLE001 - reported, not fatal
             torch.cuda.synchronize()
             row[name] = {"note": f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"}
+    rounds = {name: ([], []) for name in made}
+    for _ in range(REPS):
+        for name, (fn, context) in made.items():
+            with context():
+                rounds[name][0].append(host_us(fn, calls, cpm))
+                rounds[name][1].append(eager_us(fn, calls))
+    for name, (host, eager) in rounds.items():
+        row[name].update(host_us=min(host), eager_us=statistics.median(eager))
     print(_fmt(row), flush=True)
     torch.cuda.empty_cache()
     return row
@@ -328,7 +332,7 @@ def stub_breakdown(shape: tuple[int, int], n: int = 20000) -> dict:
     call()
     plan = next(iter(api._PLANS.values()))
     scratch = torch.empty(plan.scratch)
-    o = torch.empty(plan.o_shape, dtype=plan.dtype)
+    o = torch.empty_like(q)
     counters = L.stream_counters(max(plan.counters, 1), 0)
     dyn_split = (q.data_ptr(), k.data_ptr(), v.data_ptr(), lens.data_ptr(), lens.data_ptr(),
                  scratch.data_ptr(), scratch.data_ptr() + 4 * plan.lse_part_off, o.data_ptr(),
@@ -348,8 +352,8 @@ def stub_breakdown(shape: tuple[int, int], n: int = 20000) -> dict:
         "fast_launch_active + current_device": us(
             lambda: (L.fast_launch_active(), L.current_device())),
         "cache key (devices, dtypes, shapes, strides, PDL flag) + dict lookup": us(lookup),
-        "output allocation (CPU torch.empty)": us(
-            lambda: torch.empty(plan.o_shape, dtype=plan.dtype, device=q.device)),
+        "output allocation (CPU torch.empty_like)": us(
+            lambda: torch.empty_like(q, memory_format=torch.contiguous_format)),
         "stream scratch (partials)": us(lambda: L.stream_scratch(4 * plan.scratch, 0, "decode")),
         "stream counters (fused merge)": us(lambda: L.stream_counters(max(plan.counters, 1), 0)),
         "data pointers (6) + dynamic-argument tuple": us(

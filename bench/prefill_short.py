@@ -16,7 +16,6 @@ FLOPs halved), for the calls near the rule's thresholds in kernels/prefill.py
 
 The last column says which of the two library kernels won and whether the rule picks it.
 """
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -29,7 +28,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 from longctx.attention import attention  # noqa: E402
-from longctx.kernels.prefill import hopper_kernel_applies  # noqa: E402
+from longctx.kernels.prefill import hopper_kernel_applies, prefill_kernel  # noqa: E402
 from longctx.kernels.prefill_hopper import hopper_attention_fwd  # noqa: E402
 
 ROUNDS = 3
@@ -65,11 +64,8 @@ def main() -> None:
                                         q_start=q_start, k_start=0)[0]
 
         def triton_():
-            os.environ["LONGCTX_PREFILL_KERNEL"] = "triton"
-            try:
+            with prefill_kernel("triton"):
                 return attention(q, k, v, causal=causal, q_start=q_start)
-            finally:
-                os.environ.pop("LONGCTX_PREFILL_KERNEL")
 
         def cudnn():
             if q_start:  # SDPA's is_causal is the top-left diagonal: the chunk's band as a mask

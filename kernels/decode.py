@@ -374,7 +374,7 @@ class DecodePlan:
     why that is safe); Triton's path allocates them per call.
     """
 
-    __slots__ = ("o_shape", "dtype", "lse_shape", "return_lse", "scratch", "lse_part_off",
+    __slots__ = ("lse_shape", "return_lse", "scratch", "lse_part_off",
                  "lse_off", "num_splits", "split", "merge", "counters")
 
     def __init__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -387,7 +387,7 @@ class DecodePlan:
                         else k_cache.shape[1])
             num_splits = choose_num_splits(B, k_cache.shape[2], capacity, device_sms(q.device))
         self.num_splits, self.return_lse = num_splits, return_lse
-        self.o_shape, self.dtype, self.lse_shape = q.shape, q.dtype, (B, Hq)
+        self.lse_shape = (B, Hq)
         rows = B * Hq
         # Scratch (float32): [o_part | lse_part] with more than one split, then the final LSE
         # when it is not returned. With one split the split kernel writes o and the LSE itself.
@@ -417,7 +417,8 @@ class DecodePlan:
         """(o shaped like q in q's dtype, lse [B, Hq] float32 or None when not return_lse).
         device: the current CUDA device for fast launches, None for Triton's path."""
         dev = q.device
-        o = torch.empty(self.o_shape, dtype=self.dtype, device=dev)
+        # o has q's shape and dtype: empty_like parses its arguments in half torch.empty's time.
+        o = torch.empty_like(q, memory_format=torch.contiguous_format)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=dev) if self.return_lse else None
         if self.split is None:
             return o, lse

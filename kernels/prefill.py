@@ -29,15 +29,17 @@ producer warp and two consumer warpgroups on mbarrier rings, in FA3's order), sa
 bf16 / fp16, head_dim 64 / 128 / 256, dense or varlen, any lengths and causal offsets, with or
 without the fused merge, where it measured faster than the Triton kernel on an H100 (causal
 from 2048 query rows, unmasked from 512 programs of 128 query rows; the Triton kernel runs two
-programs per SM, the Gluon kernel one). Everything else, and every call with
-``LONGCTX_PREFILL_KERNEL=triton`` in the environment (for A/B runs), runs the Triton kernel
-below; so do calls under the interpreter, with ``_config``, and on other GPUs.
+programs per SM, the Gluon kernel one). Everything else runs the Triton kernel below, and so
+does every call with ``LONGCTX_PREFILL_KERNEL=triton`` in the environment at import or inside
+``prefill_kernel("triton")`` (A/B runs), under the interpreter, with ``_config``, on other GPUs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+from collections.abc import Iterator
 from types import ModuleType
 
 import torch
@@ -499,13 +501,31 @@ def hopper_kernel_applies(
     return programs >= _MIN_PROGRAMS
 
 
-def _prefill_kernel_choice() -> str:
-    """LONGCTX_PREFILL_KERNEL: unset, "" or "auto" (the Hopper kernel where it applies) or
-    "triton" (always the Triton kernel, e.g. for A/B runs)."""
-    value = os.environ.get(_PREFILL_KERNEL_ENV, "") or "auto"
+def _parse_prefill_kernel(value: str | None) -> str:
+    """LONGCTX_PREFILL_KERNEL's value: unset, "" or "auto" (the Hopper kernel where it applies)
+    or "triton" (always the Triton kernel, e.g. for A/B runs)."""
+    value = value or "auto"
     if value not in ("auto", "triton"):
         raise ValueError(f"{_PREFILL_KERNEL_ENV} must be 'auto' or 'triton' (or unset), got {value!r}")
     return value
+
+
+# Read once, at import (as LONGCTX_FAST_LAUNCH): reading the environment costs ~0.5 µs, a tenth
+# of an attention call's Python. `prefill_kernel` switches it at run time.
+_prefill_choice = _parse_prefill_kernel(os.environ.get(_PREFILL_KERNEL_ENV))
+
+
+@contextlib.contextmanager
+def prefill_kernel(choice: str) -> Iterator[None]:
+    """Inside the block CUDA prefill runs `choice`: "auto" (the Hopper kernel where its rule
+    applies) or "triton" (always the Triton kernel; A/B runs), whatever LONGCTX_PREFILL_KERNEL
+    said at import."""
+    global _prefill_choice
+    prev, _prefill_choice = _prefill_choice, _parse_prefill_kernel(choice)
+    try:
+        yield
+    finally:
+        _prefill_choice = prev
 
 
 @functools.lru_cache(maxsize=None)
@@ -621,12 +641,12 @@ class PrefillPlan:
     of q_start / k_start, the flags, scale, max_seqlen_q/k, `config` and `return_lse` (what
     longctx.attention keys its plan cache by); never from data pointers or offset values, which
     are the launches' dynamic arguments. A call takes the Hopper kernel unless a data pointer is
-    not 16-byte aligned or LONGCTX_PREFILL_KERNEL=triton is set (both read per call), allocates
+    not 16-byte aligned or the Triton kernel is chosen (`prefill_kernel`; both per call), allocates
     O (and the LSE, unless it is not returned: then on the fast path it goes to the stream's
     scratch) unless merging into `accumulate`, and launches once.
     """
 
-    __slots__ = ("o_shape", "lse_shape", "lse_bytes", "return_lse", "dtype", "empty",
+    __slots__ = ("lse_shape", "lse_bytes", "return_lse", "empty",
                  "offset_copy", "cu_copy", "launch", "hopper")
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: float,
@@ -636,7 +656,6 @@ class PrefillPlan:
                  accumulate: tuple[torch.Tensor, torch.Tensor] | None,
                  config: dict | None, return_lse: bool = True) -> None:
         is_varlen = cu_seqlens_q is not None
-        self.dtype = q.dtype
         self.launch = self.hopper = None
         self.return_lse = return_lse
         varlen_max_q = max_seqlen_q  # the Hopper kernel's grid (varlen); None when dense
@@ -648,7 +667,7 @@ class PrefillPlan:
             sq_b, sq_s, sq_h = 0, q.stride(0), q.stride(1)
             sk_b, sk_s, sk_h = 0, k.stride(0), k.stride(1)
             sv_b, sv_s, sv_h = 0, v.stride(0), v.stride(1)
-            self.o_shape, self.lse_shape = (total_q, hq, d), (hq, total_q)
+            self.lse_shape = (hq, total_q)
             so_b, so_s, so_h = 0, hq * d, d
             sl_b, sl_h, sl_s = 0, total_q, 1
             seqlen_q_dense, seqlen_k_dense = 0, 0
@@ -663,11 +682,11 @@ class PrefillPlan:
             sk_b, sk_s, sk_h, _ = k.stride()
             sv_b, sv_s, sv_h, _ = v.stride()
             if accumulate is None:
-                self.o_shape, self.lse_shape = (batch, sq, hq, d), (batch, hq, sq)
+                self.lse_shape = (batch, hq, sq)
                 so_b, so_s, so_h = sq * hq * d, hq * d, d
                 sl_b, sl_h, sl_s = hq * sq, sq, 1
             else:
-                self.o_shape = self.lse_shape = None
+                self.lse_shape = None
                 so_b, so_s, so_h, _ = accumulate[0].stride()
                 sl_b, sl_s, sl_h = accumulate[1].stride()
             seqlen_q_dense, seqlen_k_dense = sq, sk
@@ -728,10 +747,12 @@ class PrefillPlan:
         current CUDA device for a fast launch, None for Triton's path."""
         hopper = self.hopper
         if hopper is not None and ((q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15
-                                   or _prefill_kernel_choice() == "triton"):
+                                   or _prefill_choice == "triton"):
             hopper = None
         if accumulate is None:
-            o = torch.empty(self.o_shape, dtype=self.dtype, device=q.device)
+            # o is shaped like q in q's dtype: empty_like parses its arguments in half torch.empty's
+            # time.
+            o = torch.empty_like(q, memory_format=torch.contiguous_format)
             lse = (torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
                    if self.return_lse or device is None else None)
         else:

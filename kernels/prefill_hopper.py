@@ -633,8 +633,13 @@ class HopperLaunch:
         """Launch on CUDA device `device` (the current one; q is on q_device): ptrs = the data
         pointers of q, k, v, o (or the accumulator's O) and the LSE. The descriptors' scratch
         comes with the launch (kernels/launch.py)."""
-        qs, qs_t, ks, ks_t = _kernel_offsets(self.causal, q_start, k_start, self.batch, q_device)
-        dyn = ptrs + (qs.data_ptr() if qs_t else qs, ks.data_ptr() if ks_t else ks)
+        if not self.causal:
+            dyn = ptrs + (0, 0)
+        elif type(q_start) is int and type(k_start) is int:  # `_kernel_offsets`' delta, inline
+            dyn = ptrs + (max(-DELTA_LIMIT, min(DELTA_LIMIT, q_start - k_start)), 0)
+        else:
+            qs, qs_t, ks, ks_t = _kernel_offsets(True, q_start, k_start, self.batch, q_device)
+            dyn = ptrs + (qs.data_ptr() if qs_t else qs, ks.data_ptr() if ks_t else ks)
         if self.varlen:
             dyn += (cu_q.data_ptr(), cu_k.data_ptr())
         self.launch(dyn, device)

@@ -231,17 +231,12 @@ def prefill_flops(lens: list[int], hq: int, d: int, causal: bool) -> float:
 
 
 def with_prefill_kernel(fn: Callable[[], object], choice: str) -> Callable[[], object]:
-    """fn run with LONGCTX_PREFILL_KERNEL=choice ("triton": the Triton kernel on every GPU)."""
+    """fn run inside `prefill_kernel(choice)` ("triton": the Triton kernel on every GPU)."""
+    from longctx.kernels.prefill import prefill_kernel
+
     def run():
-        old = os.environ.get("LONGCTX_PREFILL_KERNEL")
-        os.environ["LONGCTX_PREFILL_KERNEL"] = choice
-        try:
+        with prefill_kernel(choice):
             return fn()
-        finally:
-            if old is None:
-                os.environ.pop("LONGCTX_PREFILL_KERNEL")
-            else:
-                os.environ["LONGCTX_PREFILL_KERNEL"] = old
     return run
 
 

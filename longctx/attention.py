@@ -36,9 +36,10 @@ def _kernels():
     return _kl
 
 
-# Validated plans by input signature: (current device, `signature` of every tensor / offset argument,
-# causal, softmax_scale, max_seqlen_q/k, return_lse). Every shape check of `attention` and
-# everything PrefillPlan computes is a function of these (on CUDA no values are read).
+# Validated plans by input signature: (current device, `signature` of every tensor / offset argument
+# (cu_seqlens' only in varlen mode), causal, softmax_scale, max_seqlen_q/k, return_lse). Every
+# shape check of `attention` and everything PrefillPlan computes is a function of these (on CUDA
+# no values are read).
 _PLANS: dict = {}
 _MERGE_PLANS: dict = {}
 
@@ -89,11 +90,15 @@ def attention(
             and (not varlen or (max_seqlen_q is not None and max_seqlen_k is not None))):
         dev = kl.current_device()
         try:
+            # `signature` of every argument, q's, k's and v's inline (a third of the key's time).
             sig = kl.signature
-            key = (dev, sig(q), sig(k), sig(v), causal, softmax_scale, sig(q_start), sig(k_start),
-                   sig(cu_seqlens_q), sig(cu_seqlens_k), max_seqlen_q, max_seqlen_k, return_lse)
+            key = (dev, q.get_device(), q.dtype, q.shape, q.stride(),
+                   k.get_device(), k.dtype, k.shape, k.stride(),
+                   v.get_device(), v.dtype, v.shape, v.stride(), causal, softmax_scale,
+                   sig(q_start), sig(k_start), varlen and (sig(cu_seqlens_q), sig(cu_seqlens_k)),
+                   max_seqlen_q, max_seqlen_k, return_lse)
             plan = _PLANS.get(key)
-        except TypeError:  # unhashable: validation says what is wrong
+        except (AttributeError, TypeError):  # not tensors / unhashable: validation says what
             key = plan = None
         if plan is None:
             scale = _check_attention(q, k, v, causal, softmax_scale, q_start, k_start,

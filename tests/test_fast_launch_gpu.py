@@ -314,12 +314,10 @@ def test_hopper_plan_fast_is_generic(case):
     _same(fast, _generic(longctx.attention, q, k, v, return_lse=True, **kw))
     _same(longctx.attention(q, k, v, **kw), fast[0])  # without the LSE (stream scratch)
     keys = set(api_attention._PLANS)
-    import os
-    os.environ["LONGCTX_PREFILL_KERNEL"] = "triton"
-    try:
+    from longctx.kernels.prefill import prefill_kernel
+
+    with prefill_kernel("triton"):
         triton_run = longctx.attention(q, k, v, return_lse=True, **kw)
-    finally:
-        del os.environ["LONGCTX_PREFILL_KERNEL"]
     assert set(api_attention._PLANS) == keys  # the same plan, its Triton launch
     torch.testing.assert_close(triton_run[0], fast[0], atol=2e-2, rtol=2e-2)
 

@@ -186,17 +186,25 @@ def test_hopper_kernel_applies_varlen_layout() -> None:
                     strides=(contiguous(q96), contiguous(kv96), contiguous(kv96)))
 
 
-def test_prefill_kernel_env(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_prefill_kernel_env() -> None:
     """LONGCTX_PREFILL_KERNEL: unset / "" / "auto" allow the Hopper kernel, "triton" forbids it,
-    anything else is an error naming the variable."""
-    monkeypatch.delenv("LONGCTX_PREFILL_KERNEL", raising=False)
-    assert P._prefill_kernel_choice() == "auto"
-    for value, choice in (("", "auto"), ("auto", "auto"), ("triton", "triton")):
-        monkeypatch.setenv("LONGCTX_PREFILL_KERNEL", value)
-        assert P._prefill_kernel_choice() == choice
-    monkeypatch.setenv("LONGCTX_PREFILL_KERNEL", "gluon")
+    anything else is an error naming the variable; `prefill_kernel` switches it for a block and
+    puts the previous choice back, also when the block raises."""
+    for value, choice in ((None, "auto"), ("", "auto"), ("auto", "auto"), ("triton", "triton")):
+        assert P._parse_prefill_kernel(value) == choice
     with pytest.raises(ValueError, match="LONGCTX_PREFILL_KERNEL"):
-        P._prefill_kernel_choice()
+        P._parse_prefill_kernel("gluon")
+    before = P._prefill_choice
+    with P.prefill_kernel("triton"):
+        assert P._prefill_choice == "triton"
+        with pytest.raises(RuntimeError), P.prefill_kernel("auto"):
+            assert P._prefill_choice == "auto"
+            raise RuntimeError
+        assert P._prefill_choice == "triton"
+    assert P._prefill_choice == before
+    with pytest.raises(ValueError, match="LONGCTX_PREFILL_KERNEL"), P.prefill_kernel("gluon"):
+        pass
+    assert P._prefill_choice == before
 
 
 def test_hopper_module_without_gluon_means_triton(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -648,7 +656,7 @@ def test_accumulate(b: int, sq: int, group: int, sk: int, dtype: torch.dtype,
         out = hopper_fwd(q, k, v, softmax_scale=scale, causal=causal, q_start=qs, k_start=ks,
                          accumulate=tuple(x[:, :sq] for x in gluon))
         assert out is None
-    monkeypatch.setenv("LONGCTX_PREFILL_KERNEL", "triton")
+    monkeypatch.setattr(P, "_prefill_choice", "triton")
     for k, v, causal, qs, ks in steps:
         longctx.attention_merge_into(*(x[:, :sq] for x in triton_), q, k, v, causal=causal,
                                      softmax_scale=scale, q_start=qs, k_start=ks)
@@ -678,8 +686,8 @@ def test_accumulate(b: int, sq: int, group: int, sk: int, dtype: torch.dtype,
 # --------------------------------------------------------------------------- #
 @pytest.fixture
 def gluon_calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[dict]]:
-    """gluon_counter() over a whole test, with LONGCTX_PREFILL_KERNEL unset."""
-    monkeypatch.delenv("LONGCTX_PREFILL_KERNEL", raising=False)
+    """gluon_counter() over a whole test, with the default kernel choice ("auto")."""
+    monkeypatch.setattr(P, "_prefill_choice", "auto")
     with gluon_counter() as calls:
         yield calls
 
@@ -710,7 +718,7 @@ def test_dispatch_picks_the_gluon_kernel(gluon_calls: list[str],
     longctx.attention(q[:, :200], k, v)
     longctx.attention(q.float(), k.float(), v.float())
     assert len(gluon_calls) == 4
-    monkeypatch.setenv("LONGCTX_PREFILL_KERNEL", "triton")
+    monkeypatch.setattr(P, "_prefill_choice", "triton")
     o_t = longctx.attention(q, k, v, causal=True)
     longctx.attention_merge_into(o_acc, lse_acc, q, k, v)
     assert len(gluon_calls) == 4
@@ -741,7 +749,7 @@ def test_ring_plan_on_the_gluon_kernel(gluon_calls: list[dict],
         ref_r = torch.cat([ref[:, a:a + n] for a, n in shard_chunks(S, 2, rank, "zigzag")], 1)
         errs.append((o_acc.to(BF16).float() - ref_r).abs().max().item())
     assert len(gluon_calls) == 4  # per rank: its own shard, one coalesced block of the other's
-    monkeypatch.setenv("LONGCTX_PREFILL_KERNEL", "triton")
+    monkeypatch.setattr(P, "_prefill_choice", "triton")
     one = longctx.attention(q, k, v, causal=True)
     assert len(gluon_calls) == 4
     bar = 2 * (one.float() - ref).abs().max().item()
