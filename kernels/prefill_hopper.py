@@ -505,17 +505,23 @@ def _rows_desc(x: torch.Tensor, block_rows: int) -> TensorDescriptor:
                             _smem_layout(block_rows, d, x.dtype))
 
 
+def _causal_delta(q_start: int, k_start: int) -> int:
+    """Two int offsets as the kernel takes them: q_start - k_start, clamped to +-DELTA_LIMIT
+    (no 64-bit parameters, one specialisation; sequences are shorter, so what each query sees
+    is unchanged)."""
+    return max(-DELTA_LIMIT, min(DELTA_LIMIT, q_start - k_start))
+
+
 def _kernel_offsets(causal: bool, q_start: int | torch.Tensor, k_start: int | torch.Tensor,
                     batch: int, device: torch.device) -> tuple:
     """(Q_START, Q_START_IS_TENSOR, K_START, K_START_IS_TENSOR) as the kernel takes them: two
-    ints become one clamped delta (no 64-bit parameters, one specialisation); without causal the
-    offsets are ignored."""
+    ints become one clamped delta (`_causal_delta`); without causal the offsets are ignored."""
     if not causal:
         return 0, False, 0, False
     qs, qs_t = _offset_arg(q_start, batch, device, "q_start")
     ks, ks_t = _offset_arg(k_start, batch, device, "k_start")
     if not (qs_t or ks_t):
-        qs, ks = max(-DELTA_LIMIT, min(DELTA_LIMIT, qs - ks)), 0
+        qs, ks = _causal_delta(qs, ks), 0
     return qs, qs_t, ks, ks_t
 
 
@@ -635,8 +641,8 @@ class HopperLaunch:
         comes with the launch (kernels/launch.py)."""
         if not self.causal:
             dyn = ptrs + (0, 0)
-        elif type(q_start) is int and type(k_start) is int:  # `_kernel_offsets`' delta, inline
-            dyn = ptrs + (max(-DELTA_LIMIT, min(DELTA_LIMIT, q_start - k_start)), 0)
+        elif type(q_start) is int and type(k_start) is int:  # checked when the plan was made
+            dyn = ptrs + (_causal_delta(q_start, k_start), 0)
         else:
             qs, qs_t, ks, ks_t = _kernel_offsets(True, q_start, k_start, self.batch, q_device)
             dyn = ptrs + (qs.data_ptr() if qs_t else qs, ks.data_ptr() if ks_t else ks)
