@@ -7,7 +7,9 @@
     python launch/bench.py case=decode decode.shapes='[[1,65536]]' tag=h100
 
 Needs a CUDA GPU. Every number is a median of `bench_ms` (each repetition starts with a cold,
-clean L2). Writes <output_dir>/<case>[-tag].json and .png; prints a table.
+clean L2); a prefill row's implementations take turns over `prefill.rounds` rounds
+(`interleaved_ms`), the median round reported. Writes <output_dir>/<case>[-tag].json and .png;
+prints a table.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import itertools
 import json
 import math
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -92,18 +95,33 @@ def graph_ms(fn: Callable[[], object], warmup_ms: float = 25, rep_ms: float = 10
     return bench_ms(capture_graph(fn).replay, warmup_ms, rep_ms)
 
 
+def check_peer(make: Callable[[], Callable[[], object]],
+               refs: list[torch.Tensor]) -> tuple[Callable[[], object] | None, str]:
+    """A peer's function after checking its output(s) against refs (one tensor, or one per
+    sequence for a per-sequence peer returning a list): (fn, "") or (None, reason) where the
+    peer cannot run the shape or is wrong."""
+    try:
+        fn = make()
+        out = fn()
+        outs = out if isinstance(out, list) else [out]
+        err = max((o.float() - r).abs().max().item() for o, r in zip(outs, refs))
+        if not err < 5e-2:
+            return None, f"wrong result (max err {err:.2e})"
+        return fn, ""
+    except Exception as e:  # a peer that does not support the shape is reported, not fatal
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+
+
 def try_peer(name: str, make: Callable[[], Callable[[], torch.Tensor]], ref: torch.Tensor,
              cfg: DictConfig, graph: bool = False) -> tuple[float | None, float | None, str]:
     """Time a peer after checking its output: (eager ms, CUDA-graph ms or None, note).
     A peer that cannot run this shape gives (None, None, reason)."""
+    fn, why = check_peer(make, [ref])
+    if fn is None:
+        return None, None, why
     try:
-        fn = make()
-        out = fn()
-        err = (out.float() - ref).abs().max().item()
-        if not err < 5e-2:
-            return None, None, f"wrong result (max err {err:.2e})"
         eager = bench_ms(fn, cfg.warmup_ms, cfg.rep_ms)
-    except Exception as e:  # a peer that does not support the shape is reported, not fatal
+    except Exception as e:
         return None, None, f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
     if not graph:
         return eager, None, ""
@@ -112,6 +130,19 @@ def try_peer(name: str, make: Callable[[], Callable[[], torch.Tensor]], ref: tor
     except Exception as e:
         torch.cuda.synchronize()
         return eager, None, f"no CUDA graph: {type(e).__name__}"
+
+
+def interleaved_ms(fns: dict[str, Callable[[], object]], rounds: int, warmup_ms: float = 25,
+                   rep_ms: float = 100) -> dict[str, list[float]]:
+    """bench_ms of every function, `rounds` times, the functions taking turns within each round:
+    per name the rounds' ms, sorted. A slow or fast spell of the GPU's clocks then meets every
+    function of a row alike (an H200's dense 8 x 8192 causal row measured 590-673 TFLOPS across
+    runs, 642 then 595 on back-to-back measurements; bench/results/prefill-d64-variants-h200.txt)."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(bench_ms(fn, warmup_ms, rep_ms))
+    return {name: sorted(t) for name, t in times.items()}
 
 
 # ---------------------------------------------------------------- decode
@@ -300,32 +331,34 @@ def prefill_row(cfg: DictConfig, hq: int, hkv: int, d: int, lens: list[int], cau
     err = (ours().float() - ref).abs().max().item()
     row = {"kind": "varlen" if varlen else "dense", "q_heads": hq, "kv_heads": hkv,
            "head_dim": d, "batch": len(lens), "seq_len": total if varlen else lens[0],
-           "causal": causal, "flops": prefill_flops(lens, hq, d, causal),
-           "longctx_ms": bench_ms(ours, cfg.warmup_ms, cfg.rep_ms), "longctx_max_err": err}
+           "causal": causal, "flops": prefill_flops(lens, hq, d, causal), "longctx_max_err": err}
     if varlen:
         row["lengths"] = lens
+    fns: dict[str, Callable[[], object]] = {"longctx": ours}
     if c.compare_triton:  # the Triton kernel on the same call (the Gluon kernel's A/B)
-        row["triton_ms"] = bench_ms(with_prefill_kernel(ours, "triton"), cfg.warmup_ms,
-                                    cfg.rep_ms)
+        fns["triton"] = with_prefill_kernel(ours, "triton")
     for name in c.peers:
-        if varlen:
-            if name == "flex":
-                row["flex_ms"], why = None, "not run for varlen"
-            else:
-                row[f"{name}_ms"], why = varlen_peer(per_seq(backends[name]), refs, cfg)
+        if varlen and name == "flex":
+            fn, why = None, "not run for varlen"
+        elif varlen:
+            fn, why = check_peer(lambda: per_seq(backends[name]), refs)
+        elif name == "flex":
+            fn, why = check_peer(lambda: flex_fn(tr[0], causal), refs)
         else:
-            make = ((lambda: flex_fn(tr[0], causal)) if name == "flex"
-                    else (lambda: sdpa_fn(backends[name], *tr[0], causal)))
-            row[f"{name}_ms"], _, why = try_peer(name, make, refs[0], cfg)
-        if why:
-            row[f"{name}_note"] = why
+            fn, why = check_peer(lambda: sdpa_fn(backends[name], *tr[0], causal), refs)
+        if fn is None:
+            row[f"{name}_ms"], row[f"{name}_note"] = None, why
+        else:
+            fns[name] = fn
     if varlen:  # longctx on a dense batch of the same sequence count and total tokens
         n = total // len(lens)
         qd = torch.randn(len(lens), n, hq, d, device="cuda", dtype=dtype)
         kd, vd = (torch.randn(len(lens), n, hkv, d, device="cuda", dtype=dtype) for _ in range(2))
-        row["dense_same_tokens_ms"] = bench_ms(
-            lambda: longctx.attention(qd, kd, vd, causal=causal), cfg.warmup_ms, cfg.rep_ms)
+        fns["dense_same_tokens"] = lambda: longctx.attention(qd, kd, vd, causal=causal)
         row["dense_same_tokens_flops"] = prefill_flops([n] * len(lens), hq, d, causal)
+    # every implementation of the row in each round; the median round reported, all kept
+    for name, ms in interleaved_ms(fns, c.rounds, cfg.warmup_ms, cfg.rep_ms).items():
+        row[f"{name}_ms"], row[f"{name}_rounds_ms"] = statistics.median(ms), ms
     return row
 
 
@@ -338,19 +371,6 @@ def flex_fn(t: tuple[torch.Tensor, ...], causal: bool) -> Callable[[], torch.Ten
     compiled = torch.compile(flex_attention, dynamic=False)
     mask = create_block_mask(lambda b, h, qi, ki: ki <= qi, None, None, n, n) if causal else None
     return lambda: compiled(qt, kt, vt, block_mask=mask, enable_gqa=True)
-
-
-def varlen_peer(fn: Callable[[], list[torch.Tensor]], refs: list[torch.Tensor],
-                cfg: DictConfig) -> tuple[float | None, str]:
-    """try_peer for a per-sequence peer: checks every sequence's output, times the whole list:
-    (ms or None, note)."""
-    try:
-        err = max((o.float() - r).abs().max().item() for o, r in zip(fn(), refs))
-        if not err < 5e-2:
-            return None, f"wrong result (max err {err:.2e})"
-        return bench_ms(fn, cfg.warmup_ms, cfg.rep_ms), ""
-    except Exception as e:  # a peer that does not support the shape is reported, not fatal
-        return None, f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
 
 
 def run_prefill(cfg: DictConfig) -> dict:

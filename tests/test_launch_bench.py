@@ -20,3 +20,24 @@ def test_bench_without_cuda_says_so(tmp_path: Path, case: str) -> None:
                        timeout=120, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert r.returncode == 1, r.stderr
     assert "launch/bench.py needs a CUDA GPU" in r.stderr, r.stderr
+
+
+def test_interleaved_ms_takes_turns(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prefill row's implementations are timed in turns, round after round (so that a drift of
+    the GPU's clocks meets them alike), each name getting its rounds' times sorted."""
+    sys.path.insert(0, str(ROOT / "launch"))
+    try:
+        import bench
+    finally:
+        sys.path.remove(str(ROOT / "launch"))
+    calls: list[str] = []
+    fake = iter([5.0, 1.0, 3.0, 2.0, 4.0, 0.5])
+
+    def fake_bench_ms(fn, warmup_ms, rep_ms):
+        calls.append(fn())
+        return next(fake)
+
+    monkeypatch.setattr(bench, "bench_ms", fake_bench_ms)
+    out = bench.interleaved_ms({"a": lambda: "a", "b": lambda: "b"}, rounds=3)
+    assert calls == ["a", "b"] * 3
+    assert out == {"a": [3.0, 4.0, 5.0], "b": [0.5, 1.0, 2.0]}
