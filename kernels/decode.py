@@ -252,6 +252,12 @@ def _launch_config(head_dim: int, dtype: torch.dtype, block_h: int, keys_per_spl
     return 64, num_warps, 2 if keys_per_split <= 256 else 3
 
 
+def _block_h(group: int) -> int:
+    """Query heads per split-kernel program: the GQA group padded to a power of two, at least 16
+    (tl.dot's minimum M), at most _MAX_BLOCK_H (larger groups take several programs)."""
+    return min(max(16, next_power_of_2(group)), _MAX_BLOCK_H)
+
+
 def _split_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   cache_seqlens: torch.Tensor | None, block_table: torch.Tensor | None,
                   softmax_scale: float, num_splits: int, out_dtype: torch.dtype,
@@ -275,7 +281,7 @@ def _split_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         stride_btb = 0  # a dummy pointer, never dereferenced
     sl_dtype = q.dtype if cache_seqlens is None else cache_seqlens.dtype
     group = Hq // Hkv
-    block_h = min(max(16, next_power_of_2(group)), _MAX_BLOCK_H)
+    block_h = _block_h(group)
     keys = cdiv(capacity, num_splits)
     block_n, num_warps, num_stages = config or _launch_config(D, k_cache.dtype, block_h, keys, q.device)
     # fp32 caches: exact fp32 products (tf32 would cost ~1e-3 relative error).
@@ -309,8 +315,7 @@ def _split_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 def fused_counters(q: torch.Tensor, k_cache: torch.Tensor) -> int:
     """Arrival counters a fused-merge split launch needs: one per (batch, KV head, head block)."""
     group = q.shape[-2] // k_cache.shape[2]
-    block_h = min(max(16, next_power_of_2(group)), _MAX_BLOCK_H)
-    return q.shape[0] * k_cache.shape[2] * cdiv(group, block_h)
+    return q.shape[0] * k_cache.shape[2] * cdiv(group, _block_h(group))
 
 
 def flash_decode_partials(

@@ -69,7 +69,10 @@ def _merge_kernel(
     BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # One program merges the P parts of one row (one query head of one token) for one chunk of
-    # head_dim: decode merges have few rows, so head_dim chunks add the parallelism.
+    # head_dim: decode merges have few rows, so head_dim chunks add the parallelism. The parts
+    # of a step are a [BLOCK_P, BLOCK_D] tile reduced across its threads, not `_merge_parts`'
+    # serial fold: here a program has one row, so the fold would leave the threads of BLOCK_P
+    # parts idle (that fold suits the fused merge, one program over many rows).
     pdl_wait(USE_PDL)
     r = tl.program_id(0).to(tl.int64)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
