@@ -59,7 +59,7 @@ case $what in
     done
     ;;
   allreduce)
-    run torchrun --nproc_per_node="$G" bench/allreduce.py
+    run torchrun --nproc_per_node="$G" bench/allreduce.py --out "$out/allreduce_g$G.json"
     ;;
   decode)
     layouts=("parallel.tp=$G" "parallel.sp=$G")

@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from longctx.kernels.allreduce import PushBuffers, push_constexprs, push_message
 from longctx.kernels.utils import cdiv, next_power_of_2, pdl_launch, pdl_wait
 
 
@@ -32,8 +33,10 @@ def _load_x(X, ks, K, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _gemv_kernel(X, W, Y, N, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 EVEN_K: tl.constexpr, GATED: tl.constexpr, USE_PDL: tl.constexpr):
+def _gemv_kernel(X, W, Y, N, K, stride_wn, BUF, PEERS, FLAGS, rank, slot, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr,
+                 PUSH: tl.constexpr, WORLD: tl.constexpr, IDT: tl.constexpr, MARK: tl.constexpr,
+                 USE_PDL: tl.constexpr):
     # GATED: W stacks gate rows [0, N/2) over up rows [N/2, N) and Y gets silu(gate) * up
     # [N/2]. Each program then takes BLOCK_N/2 outputs, interleaving their gate and up rows.
     if GATED:
@@ -65,6 +68,11 @@ def _gemv_kernel(X, W, Y, N, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.co
         tl.store(Y + offs_o, (a * u.to(tl.float32)).to(Y.dtype.element_ty), mask=offs_o < n_out)
     else:
         tl.store(Y + offs_n, y, mask=offs_n < N)
+        if PUSH:
+            # A row-parallel partial: also straight into every rank's all-reduce buffer
+            # (kernels/allreduce.py), so the reduction need not wait for this kernel to end.
+            rnd = tl.load(FLAGS, volatile=True) % 3
+            push_message(BUF, PEERS, rnd, y, offs_n, offs_n < N, rank, slot, WORLD, IDT, MARK)
 
 
 def gemv_config(K: int) -> tuple[int, int, int]:
@@ -86,11 +94,13 @@ def gemv_config(K: int) -> tuple[int, int, int]:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int] | None = None,
-         gated: bool = False) -> torch.Tensor:
+         gated: bool = False, push: PushBuffers | None = None) -> torch.Tensor:
     """x [..., K] holding one row, weight [N, K] (unit stride in K) -> [..., N] in x's dtype
     (fp32 accumulation). gated: weight stacks gate over up rows (N even) and the result is
     silu(gate) * up [..., N/2], rounded as longctx.ops.silu_mul after the projection would.
-    `config` overrides gemv_config, for tuning sweeps."""
+    push: this rank's buffers of a push all-reduce (kernels/allreduce.py): the result, a
+    row-parallel partial, is also pushed into every rank's buffer; the all-reduce call that
+    follows must pass pushed=True. `config` overrides gemv_config, for tuning sweeps."""
     N, K = weight.shape
     x1 = x.reshape(-1)
     if x1.numel() != K:
@@ -98,8 +108,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int] | N
     if gated and N % 2:
         raise ValueError(f"gated gemv needs an even number of weight rows (gate, up), got {N}")
     out = torch.empty(*x.shape[:-1], N // 2 if gated else N, dtype=x.dtype, device=x.device)
+    if push is not None and gated:
+        raise ValueError("gemv pushes plain projections only, not gated ones")
     block_n, block_k, warps = config or gemv_config(K)
+    buf, peers, flags, rank, slot = push if push is not None else (x1, x1, x1, 0, 0)
     _gemv_kernel[(cdiv(N, block_n),)](
-        x1, weight, out, N, K, weight.stride(0), BLOCK_N=block_n, BLOCK_K=block_k,
-        EVEN_K=K % block_k == 0, GATED=gated, num_warps=warps, **pdl_launch(x.device))
+        x1, weight, out, N, K, weight.stride(0), buf, peers, flags, rank, slot,
+        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=K % block_k == 0, GATED=gated,
+        PUSH=push is not None, **push_constexprs(x.dtype, peers.numel() if push else 0),
+        num_warps=warps, **pdl_launch(x.device))
     return out

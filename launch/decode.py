@@ -234,7 +234,8 @@ def run(cfg: DictConfig, device: torch.device, rank: int, world: int, run_dir: P
 
     t0 = time.perf_counter()
     model = build_model(args, weights=ckpt or RandomWeights(cfg.seed), device=device, dtype=dtype,
-                        batch=B, max_seq_len=max_seq_len, mesh=dims.build_mesh(device.type))
+                        batch=B, max_seq_len=max_seq_len, mesh=dims.build_mesh(device.type),
+                        all_reduce=cfg.parallel.all_reduce)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)

@@ -142,6 +142,10 @@ def check_chunk(chunk: int | None, name: str = "prefill_chunk") -> int | None:
                      f"null / 0 for the whole prompt, got {chunk!r}")
 
 
+# Tensor parallelism's sums (longctx.parallel.allreduce.make_all_reduce).
+ALL_REDUCE_KINDS = ("auto", "push", "push_gemv", "nccl")
+
+
 def check_decode_config(cfg: Mapping[str, Any]) -> None:
     """Validate the run fields of configs/decode.yaml (the model node is checked by ModelArgs,
     the parallel degrees by longctx.parallel.ParallelDims). ValueError states the numbers."""
@@ -171,6 +175,9 @@ def check_decode_config(cfg: Mapping[str, Any]) -> None:
         raise ValueError(f"sampling.temperature must be >= 0 (0 = greedy), got {s['temperature']!r}")
     if not isinstance(s["top_p"], (int, float)) or not 0 < s["top_p"] <= 1:
         raise ValueError(f"sampling.top_p must be in (0, 1], got {s['top_p']!r}")
+    if cfg["parallel"].get("all_reduce", "auto") not in ALL_REDUCE_KINDS:
+        raise ValueError(f"parallel.all_reduce must be one of {', '.join(ALL_REDUCE_KINDS)}, "
+                         f"got {cfg['parallel']['all_reduce']!r}")
     mem = cfg.get("memory_gb")
     if mem is not None and (not isinstance(mem, (int, float)) or mem <= 0):
         raise ValueError(f"memory_gb must be a positive number of GiB or null, got {mem!r}")

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from longctx.backend import use_triton_for
 
 
-def _gemv_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether linear(x, weight) runs the Triton GEMV: one half-precision row on CUDA."""
     return (use_triton_for(x) and x.numel() == x.shape[-1]
             and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype
             and weight.stride(-1) == 1)
@@ -26,7 +27,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     A single half-precision row on CUDA (a batch-1 decode step) runs longctx's Triton GEMV
     (kernels/gemv.py), a plain stream of the weights; anything else runs torch's linear.
     """
-    if _gemv_ok(x, weight):
+    if gemv_applies(x, weight):
         from longctx.kernels.gemv import gemv
 
         return gemv(x, weight)
@@ -37,7 +38,7 @@ def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """silu_mul(linear(x, weight)): weight [2I, K] stacks the gate rows over the up rows;
     returns silu(x @ gate^T) * (x @ up^T) [..., I] in x's dtype. For a single half-precision
     row on CUDA one GEMV computes it, the activation in its epilogue (same rounding)."""
-    if _gemv_ok(x, weight):
+    if gemv_applies(x, weight):
         from longctx.kernels.gemv import gemv
 
         return gemv(x, weight, gated=True)

@@ -15,16 +15,18 @@ from longctx.weights import ShardPlan, WeightSource, load_weights
 
 def build_model(args: ModelArgs, *, weights: WeightSource, device: torch.device | str,
                 dtype: torch.dtype, batch: int, max_seq_len: int,
-                mesh: DeviceMesh | None = None) -> Transformer:
+                mesh: DeviceMesh | None = None, all_reduce: str = "auto") -> Transformer:
     """A ready-to-run Transformer: weights in `dtype` on `device`, KV caches for `batch`
     sequences of up to `max_seq_len` positions. With a ("sp", "tp") mesh (ParallelDims.build_mesh)
-    its tensor and sequence parallelism are applied before any weight is allocated."""
+    its tensor and sequence parallelism are applied before any weight is allocated; `all_reduce`
+    picks tensor parallelism's sums (longctx.parallel.allreduce.make_all_reduce)."""
     with torch.device("meta"):
         model = Transformer(args)
     model.to(dtype)
     plan: ShardPlan = {}
     if mesh is not None and mesh["tp"].size() > 1:
-        plan = apply_tensor_parallel(model, mesh.get_group("tp"), torch.device(device), dtype)
+        plan = apply_tensor_parallel(model, mesh.get_group("tp"), torch.device(device), dtype,
+                                     all_reduce)
     if mesh is not None and mesh["sp"].size() > 1:
         apply_sequence_parallel(model, mesh.get_group("sp"))
     model.to_empty(device=device)

@@ -1,6 +1,7 @@
 """Tensor parallelism applied to a built Transformer (gpt-fast style): slice weights, add
 collectives. Attention heads and the MLP are column-parallel in, row-parallel out with one
-all-reduce each; the embedding and LM head are split by vocabulary. The LM head's logits stay
+all-reduce each, fused into the residual add and RMSNorm that follow
+(longctx.parallel.allreduce); the embedding and LM head are split by vocabulary. The LM head's logits stay
 split: the model's prefill and decode_step return this rank's shard [B, V/tp], and the sampler
 installed on the model (longctx.parallel.sampling) picks tokens from the shards without gathering
 the vocabulary (`full_logits` gathers them where a caller needs them).
@@ -11,94 +12,60 @@ rank reads) as well as on a model with real weights (slicing them).
 
 from __future__ import annotations
 
-import logging
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from longctx.model import FusedLinear, Transformer
+from longctx.model import FusedLinear, Linear, RMSNorm, Transformer
+from longctx.parallel.allreduce import NcclAllReduce, make_all_reduce
 from longctx.parallel.sampling import VocabParallelSampler
 from longctx.weights import Shard, ShardPlan
 
-log = logging.getLogger("longctx")
+class ParallelRMSNorm(RMSNorm):
+    """An RMSNorm whose `add` is a row-parallel projection's partial output (in the model every
+    norm's `add` is the output of o_proj or down_proj): the sum over the tensor-parallel group,
+    the residual add and the norm in one call of `comm` (the push kernel on GPUs)."""
+
+    def __init__(self, norm: RMSNorm, comm: NcclAllReduce) -> None:
+        nn.Module.__init__(self)
+        self.eps, self.weight, self.comm = norm.eps, norm.weight, comm
+
+    def forward(self, x: torch.Tensor, add: torch.Tensor | None = None):
+        if add is None:
+            return super().forward(x)
+        return self.comm.add_rms_norm(x, add, self.weight, self.eps)
 
 
-class SymmetricMemoryAllReduce:
-    """Sum all-reduce for the small row-parallel outputs of a decode step ([B, 1, dim]: 16 KB
-    at batch 1, two per layer), through torch symmetric memory: one kernel copies the input into
-    this rank's registered buffer, meets the peers at a barrier and sums every rank's buffer with
-    peer-to-peer loads over NVLink (no NVLink multicast). About half NCCL's latency for such
-    sizes (bench/allreduce.py: 6.7 vs 13.4 µs on 2x H200, in a CUDA graph).
+class RowParallelLinear(Linear):
+    """A row-parallel projection (input features split over the group): its output is this
+    rank's partial sum, which the ParallelRMSNorm after it completes. `comm.linear` may push it
+    into the all-reduce buffers from the GEMV itself."""
 
-    Two buffers are used alternately: a rank may start the next all-reduce (writing its buffer)
-    as soon as it has passed this one's barrier, while a peer may still be reading the buffer of
-    this one. In a CUDA graph each call's buffer is fixed at capture, so the alternation holds
-    across replays only for an even number of calls per graph: a decode step makes two per
-    layer. Larger tensors (prefill) go to NCCL.
-    """
+    def __init__(self, linear: Linear, comm: NcclAllReduce) -> None:
+        nn.Module.__init__(self)
+        self.weight, self.comm = linear.weight, comm
+        self.in_features, self.out_features = linear.in_features, linear.out_features
 
-    MAX_BYTES = 1 << 20
-
-    def __init__(self, group, device: torch.device, dtype: torch.dtype) -> None:
-        import torch.distributed._symmetric_memory as symm_mem
-
-        self.group, self.name = group, group.group_name
-        if hasattr(symm_mem, "enable_symm_mem_for_group") and not (
-                hasattr(symm_mem, "is_symm_mem_enabled_for_group")
-                and symm_mem.is_symm_mem_enabled_for_group(self.name)):
-            symm_mem.enable_symm_mem_for_group(self.name)  # needed by older torch releases
-        self.numel = self.MAX_BYTES // dtype.itemsize
-        self.bufs = [symm_mem.empty(self.numel, dtype=dtype, device=device) for _ in range(2)]
-        for b in self.bufs:
-            symm_mem.rendezvous(b, self.name)
-        self.dtype, self.calls = dtype, 0
-
-    @staticmethod
-    def available(device: torch.device) -> bool:
-        return device.type == "cuda" and hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out")
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum over the group of x (a new tensor, or x reduced in place by NCCL)."""
-        if x.numel() > self.numel or x.dtype != self.dtype or not x.is_contiguous():
-            dist.all_reduce(x, group=self.group)
-            return x
-        buf = self.bufs[self.calls % 2]
-        self.calls += 1
-        out = torch.empty_like(x)
-        torch.ops.symm_mem.one_shot_all_reduce_copy_out(buf[:x.numel()], x.view(-1), "sum",
-                                                       self.name, out.view(-1))
-        return out
-
-
-def _all_reduce_hook(group, symmetric: SymmetricMemoryAllReduce | None):
-    def hook(_module, _inputs, out):
-        # row-parallel partial sums -> the full output
-        if symmetric is not None:
-            return symmetric(out)
-        dist.all_reduce(out, group=group)
-        return out
-    return hook
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.comm.linear(x, self.weight)
 
 
 class VocabParallelEmbedding(nn.Module):
     """Embedding rows [vocab_start, vocab_start + rows) of the vocabulary; ids outside that range
     give zeros, and an all-reduce over the group completes every row."""
 
-    def __init__(self, weight: torch.Tensor, vocab_start: int, group) -> None:
+    def __init__(self, weight: torch.Tensor, vocab_start: int, comm: NcclAllReduce) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)  # [V / tp, dim]
         self.vocab_start = vocab_start
-        self.group = group
+        self.comm = comm
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.vocab_start
         outside = (local < 0) | (local >= self.weight.shape[0])
         x = F.embedding(local.masked_fill(outside, 0), self.weight)
-        x = x.masked_fill(outside[..., None], 0)
-        dist.all_reduce(x, group=self.group)
-        return x
+        return self.comm.all_reduce(x.masked_fill(outside[..., None], 0))
 
 
 def _narrow(weight: torch.Tensor, shard: Shard) -> nn.Parameter:
@@ -107,7 +74,7 @@ def _narrow(weight: torch.Tensor, shard: Shard) -> nn.Parameter:
 
 
 def apply_tensor_parallel(model: Transformer, group, device: torch.device | None = None,
-                          dtype: torch.dtype | None = None) -> ShardPlan:
+                          dtype: torch.dtype | None = None, all_reduce: str = "auto") -> ShardPlan:
     """Shard `model` over the ranks of `group` in place; returns the Shard of each sliced
     checkpoint tensor (e.g. layers.0.self_attn.k_proj.weight, a part of the fused qkv_proj).
 
@@ -116,8 +83,10 @@ def apply_tensor_parallel(model: Transformer, group, device: torch.device | None
     Call before setup_caches (the caches are sized from the attention's sliced head counts).
     Afterwards the model's logits are rank r's vocabulary shard [B, V/tp] (tokens
     [r V/tp, (r+1) V/tp)) and `model.sampler` a VocabParallelSampler that longctx.generate uses.
-    On CUDA (`device`, with the weights' `dtype`) the row-parallel all-reduces of decode steps go
-    through symmetric memory where torch provides it (SymmetricMemoryAllReduce), else NCCL.
+    The row-parallel projections (o_proj, down_proj) return partial sums; the norm after each
+    sums them over the group, fused with its residual add (ParallelRMSNorm): on CUDA (`device`,
+    with the weights' `dtype`) through `make_all_reduce(kind=all_reduce)`, the push kernel for
+    decode-sized messages where symmetric memory maps the GPUs, else NCCL.
     """
     tp, r = dist.get_world_size(group), dist.get_rank(group)
     args = model.args
@@ -148,15 +117,9 @@ def apply_tensor_parallel(model: Transformer, group, device: torch.device | None
             linear.parts[n] = shards[n].length
             plan[f"{prefix}.{n}.weight"] = shards[n]
 
-    symmetric = None
-    if device is not None and SymmetricMemoryAllReduce.available(torch.device(device)):
-        try:
-            symmetric = SymmetricMemoryAllReduce(group, torch.device(device), dtype)
-        except Exception as e:  # e.g. no peer access between the GPUs: NCCL does it all
-            log.warning(f"symmetric-memory all-reduce unavailable ({type(e).__name__}: {e}); "
-                        "using NCCL")
-        else:
-            log.info("tensor parallel: decode all-reduces through symmetric memory (one-shot)")
+    comm = NcclAllReduce(group)
+    if device is not None:
+        comm = make_all_reduce(group, torch.device(device), dtype, args.dim, all_reduce)
     for i, layer in enumerate(model.layers):
         a, m = layer.self_attn, layer.mlp
         p = f"layers.{i}"
@@ -167,12 +130,15 @@ def apply_tensor_parallel(model: Transformer, group, device: torch.device | None
         inter = chunk(args.intermediate_size, 0)
         shard_fused(f"{p}.mlp", m.gate_up_proj, {"gate_proj": inter, "up_proj": inter})
         shard_linear(f"{p}.mlp.down_proj", m.down_proj, chunk(args.intermediate_size, 1))
-        a.o_proj.register_forward_hook(_all_reduce_hook(group, symmetric))
-        m.down_proj.register_forward_hook(_all_reduce_hook(group, symmetric))
+        a.o_proj = RowParallelLinear(a.o_proj, comm)
+        m.down_proj = RowParallelLinear(m.down_proj, comm)
+        layer.input_layernorm = ParallelRMSNorm(layer.input_layernorm, comm)
+        layer.post_attention_layernorm = ParallelRMSNorm(layer.post_attention_layernorm, comm)
+    model.norm = ParallelRMSNorm(model.norm, comm)
 
     vocab = chunk(args.vocab_size, 0)
     model.embed_tokens = VocabParallelEmbedding(
-        _narrow(model.embed_tokens.weight, vocab).data, vocab.start, group)
+        _narrow(model.embed_tokens.weight, vocab).data, vocab.start, comm)
     plan["embed_tokens.weight"] = vocab
     shard_linear("lm_head", model.lm_head, vocab)
     model.sampler = VocabParallelSampler(group, args.vocab_size)
