@@ -12,10 +12,10 @@ from longctx.parallel.build import build_model
 from longctx.parallel.mesh import ParallelDims
 from longctx.parallel.sampling import full_logits
 from longctx.weights import HFCheckpoint
-from tests.checkpoint_utils import hf_greedy, load_hf_model, save_hf_model
+from tests.checkpoint_utils import (YARN_AS_IN_TRANSFORMERS_5, hf_greedy, load_hf_model,
+                                    save_hf_model)
 from tests.dist_utils import run_distributed
 
-YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
 # name -> save_hf_model arguments. "dynamic" sets max_position_embeddings 8 so that prompts and
 # decoding cross it (PROMPTS); the others scale at any length.
 CASES = {
@@ -25,12 +25,16 @@ CASES = {
                         spelling="4.x"),
     "llama3": dict(rope={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
-    "yarn": dict(rope=YARN, spelling="4.x"),
+    "yarn": dict(rope={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+                 spelling="4.x"),
     "qwen2": dict(model_type="qwen2"),
-    # Qwen2.5-0.5B-like: tied embeddings, one KV head (replicated under tp=2), YaRN.
-    "qwen2-yarn-tied-mqa": dict(model_type="qwen2", rope=YARN, tie_word_embeddings=True,
+    # Qwen2.5-0.5B-like: tied embeddings, one KV head (replicated under tp=2), YaRN in Qwen2.5's
+    # spelling (the original length is max_position_embeddings).
+    "qwen2-yarn-tied-mqa": dict(model_type="qwen2", rope={"rope_type": "yarn", "factor": 4.0},
+                                max_position_embeddings=16, tie_word_embeddings=True,
                                 num_key_value_heads=1),
 }
+MARKS = {"yarn": YARN_AS_IN_TRANSFORMERS_5}
 B, STEPS = 2, 6
 PROMPTS = {"dynamic": (5, 11), "dynamic-4.x": (11,)}  # within and beyond max_position_embeddings
 TOL = dict(rtol=1e-4, atol=1e-4)
@@ -73,7 +77,7 @@ def _build(path, mesh=None, max_seq_len=64):
                        max_seq_len=max_seq_len, mesh=mesh)
 
 
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=MARKS.get(n, ())) for n in CASES])
 def test_one_process_matches_transformers(tmp_path, name):
     path, refs = _reference(tmp_path, name)
     args = HFCheckpoint(path).args()
@@ -108,6 +112,7 @@ def _world_of_2(rank, world, cases):
                 _check(model, prompt, tokens, logits, chunk=chunk)
 
 
+@YARN_AS_IN_TRANSFORMERS_5
 def test_tp2_and_sp2_match_transformers(tmp_path):
     cases = {name: _reference(tmp_path, name) for name in CASES}
     cases = {name: (str(path), refs) for name, (path, refs) in cases.items()}
@@ -120,10 +125,12 @@ def test_bf16_on_gpu_within_twice_the_error_of_transformers(tmp_path):
     projection is the Triton GEMV (q/k/v bias in its epilogue) and RoPE runs from the scaled
     tables in the fused kernels: against transformers in fp32 (teacher-forced on its greedy
     tokens), the logits' error is at most twice that of transformers itself in bf16."""
-    rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}
-    save_hf_model(tmp_path, model_type="qwen2", rope=rope, hidden_size=1024,
-                  num_attention_heads=8, num_key_value_heads=2, intermediate_size=2816,
-                  vocab_size=4096, max_position_embeddings=1024, bias_std=0.2)
+    # Qwen2.5's spelling (the original length is max_position_embeddings): the one on which
+    # the YaRN code of transformers 4.4x, 4.5x and 5 agree.
+    save_hf_model(tmp_path, model_type="qwen2", rope={"rope_type": "yarn", "factor": 4.0},
+                  hidden_size=1024, num_attention_heads=8, num_key_value_heads=2,
+                  intermediate_size=2816, vocab_size=4096, max_position_embeddings=256,
+                  bias_std=0.2)
     P, steps = 600, 8  # past the original length: the interpolated frequencies matter
     prompt = _prompt(P, vocab=4096)[:1].cuda()
     hf = load_hf_model(tmp_path).cuda()

@@ -142,8 +142,8 @@ def test_transformers_qwen2_checkpoint_with_yarn_gives_its_tokens(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("on a GPU the run is bf16: tokens may differ from fp32 transformers")
     ckpt = tmp_path / "qwen"
-    save_hf_model(ckpt, model_type="qwen2", spelling="4.x",
-                  rope={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4})
+    save_hf_model(ckpt, model_type="qwen2", spelling="4.x", max_position_embeddings=4,
+                  rope={"rope_type": "yarn", "factor": 4.0})
     write_tokenizer(ckpt)
     text = "hello world the cache is long and fast"
     prompt = torch.tensor([[WORDS.index(w) for w in text.split()]])

@@ -12,6 +12,7 @@ import torch
 from longctx import ops
 from longctx.config import ModelArgs
 from longctx.rope import RopeScaling, attention_factor, inv_freq
+from tests.checkpoint_utils import YARN_AS_IN_TRANSFORMERS_5
 
 transformers = pytest.importorskip("transformers", reason="the reference (test extra)")
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
@@ -38,20 +39,29 @@ TABLE_TOL = dict(rtol=0, atol=2e-6)
 
 
 def _hf_config(rope, max_position_embeddings=128):
+    # rope_theta / rope_scaling: transformers 4.x's keywords, which 5.x takes too (and fills
+    # in: a copy).
     return transformers.LlamaConfig(
         hidden_size=64, num_attention_heads=4, head_dim=D,
-        max_position_embeddings=max_position_embeddings,
-        rope_parameters={"rope_type": "default", **(rope or {}), "rope_theta": THETA})
+        max_position_embeddings=max_position_embeddings, rope_theta=THETA,
+        rope_scaling=dict(rope) if rope else None)
 
 
-@pytest.mark.parametrize("case", CASES)
+def _cases():
+    return [pytest.param(c, marks=YARN_AS_IN_TRANSFORMERS_5 if c.startswith("yarn") else ())
+            for c in CASES]
+
+
+@pytest.mark.parametrize("case", _cases())
 def test_tables_match_transformers(case):
     rope = CASES[case]
     hf_cfg = _hf_config(rope)
     scaling = RopeScaling.from_dict(rope, 128)
     assert (scaling is None) == (case == "default")
-    want_inv, want_factor = (LlamaRotaryEmbedding.compute_default_rope_parameters(hf_cfg)
-                             if rope is None else ROPE_INIT_FUNCTIONS[rope["rope_type"]](hf_cfg))
+    default = ROPE_INIT_FUNCTIONS.get("default")  # 4.x; 5.x has it on the rotary class
+    default = default or LlamaRotaryEmbedding.compute_default_rope_parameters
+    want_inv, want_factor = (default(hf_cfg) if rope is None
+                             else ROPE_INIT_FUNCTIONS[rope["rope_type"]](hf_cfg))
     got_inv = inv_freq(D, THETA, scaling)
     assert torch.equal(got_inv, want_inv)  # the same float32 operations: the same bits
     assert attention_factor(scaling) == want_factor
