@@ -1,5 +1,6 @@
-"""The transformers peer for launch/decode.py: Hugging Face LlamaForCausalLM (SDPA attention,
-StaticCache) on the same random-weight architecture, one GPU, greedy, eager forward calls.
+"""The transformers peer for launch/decode.py: Hugging Face LlamaForCausalLM (Qwen2ForCausalLM
+for a preset with qkv_bias; SDPA attention, StaticCache) on the same random-weight architecture
+and RoPE scaling, one GPU, greedy, eager forward calls.
 
     python bench/hf_peer.py --model codellama34b --context 16384 --gen 64
 
@@ -26,17 +27,23 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=64)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     m = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs/model" / f"{a.model}.yaml").read_text())
-    cfg = LlamaConfig(hidden_size=m["dim"], intermediate_size=m["intermediate_size"],
-                      num_hidden_layers=m["n_layers"], num_attention_heads=m["n_heads"],
-                      num_key_value_heads=m["n_kv_heads"], head_dim=m["head_dim"],
-                      vocab_size=m["vocab_size"], rope_theta=m["rope_theta"],
-                      rms_norm_eps=m["norm_eps"], max_position_embeddings=a.context + a.gen,
-                      tie_word_embeddings=False, attn_implementation="sdpa", torch_dtype=torch.bfloat16)
+    # Qwen2: q/k/v biases, head_dim = dim / n_heads (its config has no head_dim field).
+    Config, Model = (Qwen2Config, Qwen2ForCausalLM) if m.get("qkv_bias") else (LlamaConfig,
+                                                                               LlamaForCausalLM)
+    extra = {} if m.get("qkv_bias") else {"head_dim": m["head_dim"]}
+    cfg = Config(hidden_size=m["dim"], intermediate_size=m["intermediate_size"],
+                 num_hidden_layers=m["n_layers"], num_attention_heads=m["n_heads"],
+                 num_key_value_heads=m["n_kv_heads"], vocab_size=m["vocab_size"],
+                 rope_theta=m["rope_theta"], rope_scaling=m.get("rope_scaling"),
+                 rms_norm_eps=m["norm_eps"],
+                 max_position_embeddings=m.get("max_position_embeddings") or a.context + a.gen,
+                 tie_word_embeddings=False, attn_implementation="sdpa", torch_dtype=torch.bfloat16,
+                 **extra)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = Model(cfg)
     model = model.to_empty(device="cuda").to(torch.bfloat16)
     with torch.no_grad():
         for p in model.parameters():
@@ -64,7 +71,7 @@ def main() -> None:
             times.append(time.perf_counter() - t)
     times = times[2:]  # the first calls warm up SDPA / cuBLAS
     ms = sorted(times)[len(times) // 2] * 1e3
-    res = {"peer": "transformers LlamaForCausalLM eager (sdpa, StaticCache)", "model": a.model,
+    res = {"peer": f"transformers {Model.__name__} eager (sdpa, StaticCache)", "model": a.model,
            "context": a.context, "gen": a.gen, "prefill_s": prefill_s, "ms_per_token_p50": ms,
            "decode_tokens_per_s": len(times) / sum(times), "device": torch.cuda.get_device_name(),
            "transformers": __import__("transformers").__version__}

@@ -1,4 +1,4 @@
-"""Matrix-vector product for batch-1 decoding: y [1, N] = x [1, K] @ W[N, K]^T.
+"""Matrix-vector product for batch-1 decoding: y [1, N] = x [1, K] @ W[N, K]^T (+ bias [N]).
 
 At batch 1 a linear layer is a pure stream of its weights, so the ceiling is the HBM read
 bandwidth. Each program owns BLOCK_N rows of W and walks K in BLOCK_K steps, multiplying in
@@ -33,9 +33,10 @@ def _load_x(X, ks, K, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _gemv_kernel(X, W, Y, N, K, stride_wn, BUF, PEERS, FLAGS, rank, slot, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, GATED: tl.constexpr,
-                 PUSH: tl.constexpr, WORLD: tl.constexpr, IDT: tl.constexpr, MARK: tl.constexpr,
+def _gemv_kernel(X, W, Y, BIAS, N, K, stride_wn, BUF, PEERS, FLAGS, rank, slot,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                 GATED: tl.constexpr, HAS_BIAS: tl.constexpr, PUSH: tl.constexpr,
+                 WORLD: tl.constexpr, IDT: tl.constexpr, MARK: tl.constexpr,
                  USE_PDL: tl.constexpr):
     # GATED: W stacks gate rows [0, N/2) over up rows [N/2, N) and Y gets silu(gate) * up
     # [N/2]. Each program then takes BLOCK_N/2 outputs, interleaving their gate and up rows.
@@ -58,7 +59,10 @@ def _gemv_kernel(X, W, Y, N, K, stride_wn, BUF, PEERS, FLAGS, rank, slot, BLOCK_
     for k0 in range(BLOCK_K, K, BLOCK_K):
         ks = k0 + offs_k
         acc += _load_w(W, rows, ks, K, EVEN_K).to(tl.float32) * _load_x(X, ks, K, EVEN_K)[None, :]
-    y = tl.sum(acc, axis=1).to(Y.dtype.element_ty)
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:  # (not GATED) added to the float32 sums: one rounding, as cuBLAS's epilogue
+        y += tl.load(BIAS + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+    y = y.to(Y.dtype.element_ty)
     if GATED:
         # Rounded as the unfused ops round: projection output, silu(gate), then the product.
         g, u = tl.split(tl.reshape(y, [BLOCK_N // 2, 2]))
@@ -94,27 +98,33 @@ def gemv_config(K: int) -> tuple[int, int, int]:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int] | None = None,
-         gated: bool = False, push: PushBuffers | None = None) -> torch.Tensor:
+         gated: bool = False, bias: torch.Tensor | None = None,
+         push: PushBuffers | None = None) -> torch.Tensor:
     """x [..., K] holding one row, weight [N, K] (unit stride in K) -> [..., N] in x's dtype
-    (fp32 accumulation). gated: weight stacks gate over up rows (N even) and the result is
-    silu(gate) * up [..., N/2], rounded as longctx.ops.silu_mul after the projection would.
-    push: this rank's buffers of a push all-reduce (kernels/allreduce.py): the result, a
-    row-parallel partial, is also pushed into every rank's buffer; the all-reduce call that
-    follows must pass pushed=True. `config` overrides gemv_config, for tuning sweeps."""
+    (fp32 accumulation; bias [N], contiguous, added before the rounding). gated: weight stacks
+    gate over up rows (N even) and the result is silu(gate) * up [..., N/2], rounded as
+    longctx.ops.silu_mul after the projection would (no bias). push: this rank's buffers of a
+    push all-reduce (kernels/allreduce.py): the result, a row-parallel partial, is also pushed
+    into every rank's buffer; the all-reduce call that follows must pass pushed=True. `config`
+    overrides gemv_config, for tuning sweeps."""
     N, K = weight.shape
     x1 = x.reshape(-1)
     if x1.numel() != K:
         raise ValueError(f"gemv takes one row: x has {x1.numel()} elements, weight is {N}x{K}")
     if gated and N % 2:
         raise ValueError(f"gated gemv needs an even number of weight rows (gate, up), got {N}")
+    if bias is not None and (gated or bias.shape != (N,) or bias.stride(0) != 1):
+        raise ValueError(f"bias must be contiguous [{N}] and comes without gated, got "
+                         f"{tuple(bias.shape)} (gated={gated})")
     out = torch.empty(*x.shape[:-1], N // 2 if gated else N, dtype=x.dtype, device=x.device)
     if push is not None and gated:
         raise ValueError("gemv pushes plain projections only, not gated ones")
     block_n, block_k, warps = config or gemv_config(K)
     buf, peers, flags, rank, slot = push if push is not None else (x1, x1, x1, 0, 0)
     _gemv_kernel[(cdiv(N, block_n),)](
-        x1, weight, out, N, K, weight.stride(0), buf, peers, flags, rank, slot,
-        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=K % block_k == 0, GATED=gated,
-        PUSH=push is not None, **push_constexprs(x.dtype, peers.numel() if push else 0),
+        x1, weight, out, x1 if bias is None else bias, N, K, weight.stride(0), buf, peers, flags,
+        rank, slot, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=K % block_k == 0, GATED=gated,
+        HAS_BIAS=bias is not None, PUSH=push is not None,
+        **push_constexprs(x.dtype, peers.numel() if push else 0),
         num_warps=warps, **pdl_launch(x.device))
     return out

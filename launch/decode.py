@@ -3,13 +3,16 @@
     python launch/decode.py                       # the tiny model on CPU, in seconds (make demo)
     torchrun --nproc_per_node=8 launch/decode.py +model=codellama34b parallel.tp=8 context_len=32768
     torchrun --nproc_per_node=4 launch/decode.py +model=llama3_8b parallel.tp=2 parallel.sp=2
-    python launch/decode.py model.checkpoint=<hf llama dir> prompt="def quicksort(xs):" gen_len=64
+    torchrun --nproc_per_node=2 launch/decode.py +model=llama3_1_70b parallel.tp=2 context_len=131072
+    python launch/decode.py model.checkpoint=<hf llama/qwen2 dir> prompt="def f(xs):" gen_len=64
     python launch/decode.py +model=codellama34b prefill=synthetic context_len=400000  # no prefill
 
-Options: configs/decode.yaml. Weights are seeded random (no download) unless model.checkpoint is
-given. The prompt is prefilled in chunks of prefill_chunk positions, so the largest context is
-set by the weights and the KV cache (printed at start-up for the chosen layout); the prefill is
-timed warm, after a warm-up call that compiles the kernels. prefill=synthetic skips it: the KV
+Options: configs/decode.yaml; model presets configs/model/*.yaml (Llama 2 / 3 / 3.1, CodeLlama,
+Qwen2.5, with their RoPE scaling and biases). Weights are seeded random (no download) unless
+model.checkpoint names a Hugging Face Llama or Qwen2 directory (its config.json then sets the
+model, RoPE scaling included). The prompt is prefilled in chunks of prefill_chunk positions, so
+the largest context is set by the weights and the KV cache (printed at start-up for the chosen
+layout); the prefill is timed warm, after a warm-up call that compiles the kernels. prefill=synthetic skips it: the KV
 cache holds seeded random values of the model's K/V scale. Decode is memory-bound, so the report
 compares the model's bytes per step (weights once, KV cache once) with GPUs x the HBM read
 bandwidth measured at start-up, and also shows the bytes the layout reads. Each run writes
@@ -43,6 +46,7 @@ from longctx.parallel.build import build_model  # noqa: E402
 from longctx.parallel.mesh import ParallelDims  # noqa: E402
 from longctx.parallel.process_group import init_from_env, rank_and_world  # noqa: E402
 from longctx.parallel.sequence_parallel import check_sp_chunk  # noqa: E402
+from longctx.rope import describe as describe_rope  # noqa: E402
 from longctx.weights import HFCheckpoint, RandomWeights  # noqa: E402
 
 log = logging.getLogger("longctx")
@@ -204,14 +208,16 @@ def run(cfg: DictConfig, device: torch.device, rank: int, world: int, run_dir: P
     info = {"model": args.name, "params": args.num_params(), "dtype": str(dtype).removeprefix("torch."),
             "device": device_name(device), "world_size": world, "tp": dims.tp, "sp": dims.sp,
             "batch": B, "prompt_len": P, "gen_len": cfg.gen_len, "prefill_chunk": chunk,
-            "cuda_graphs": cuda_graphs, "commit": code_commit(), "torch": torch.__version__}
+            "cuda_graphs": cuda_graphs, "rope_scaling": describe_rope(args.rope_scaling),
+            "qkv_bias": args.qkv_bias, "commit": code_commit(), "torch": torch.__version__}
     log.info(f"run directory {run_dir}")
     n = info["params"]
     size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
     log.info(f"{args.name}: {size} parameters, {info['dtype']}, {world} x "
              f"{info['device']}, tp={dims.tp} sp={dims.sp}, batch {B}, "
              f"{'synthetic KV cache of' if synthetic else 'prompt'} {P} tokens, "
-             f"{cfg.gen_len} generated")
+             f"{cfg.gen_len} generated; rope scaling {info['rope_scaling']}"
+             + (", q/k/v biases" if args.qkv_bias else ""))
 
     bw, bw_what = read_bandwidth(device)
     if world > 1:  # the mean over devices: world x mean is their sum

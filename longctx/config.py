@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from longctx.rope import RopeScaling
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # real: the prompt runs through the model; synthetic: seeded random KV cache, no prefill.
 PREFILL_MODES = ("real", "synthetic")
@@ -19,8 +21,9 @@ PREFILL_MODES = ("real", "synthetic")
 
 @dataclass(frozen=True)
 class ModelArgs:
-    """Llama architecture: RMSNorm, rotary embeddings, GQA attention, SwiGLU MLP, untied
-    embedding and LM head, no biases. Validated on construction (ValueError naming the field)."""
+    """Llama architecture: RMSNorm, rotary embeddings (optionally scaled), GQA attention, SwiGLU
+    MLP, untied embedding and LM head, no biases but optionally on q, k and v (Qwen2). Validated
+    on construction (ValueError naming the field)."""
 
     n_layers: int  # transformer blocks
     dim: int  # hidden size
@@ -31,6 +34,13 @@ class ModelArgs:
     head_dim: int | None = None  # per-head size; None means dim // n_heads
     rope_theta: float = 10000.0  # rotary embedding base
     norm_eps: float = 1e-5  # RMSNorm epsilon
+    # The context length the checkpoint was configured for (transformers' field): the length
+    # beyond which "dynamic" scaling starts, the default original length of llama3 / yarn.
+    max_position_embeddings: int | None = None
+    # RoPE scaling in transformers' spelling ({"rope_type": "llama3", "factor": 8.0, ...}), parsed
+    # into a longctx.rope.RopeScaling; None: plain RoPE.
+    rope_scaling: RopeScaling | Mapping[str, Any] | None = None
+    qkv_bias: bool = False  # the q, k and v projections have biases (Qwen2)
     name: str = "custom"  # preset name, for reports
 
     def __post_init__(self) -> None:
@@ -53,6 +63,21 @@ class ModelArgs:
         if not self.rope_theta > 0 or not self.norm_eps > 0:
             raise ValueError(f"model.rope_theta ({self.rope_theta}) and model.norm_eps "
                              f"({self.norm_eps}) must be positive")
+        m = self.max_position_embeddings
+        if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 1):
+            raise ValueError(f"model.max_position_embeddings must be a positive integer or null, "
+                             f"got {m!r}")
+        if not isinstance(self.qkv_bias, bool):
+            raise ValueError(f"model.qkv_bias must be true or false, got {self.qkv_bias!r}")
+        if isinstance(self.rope_scaling, Mapping):
+            try:
+                scaling = RopeScaling.from_dict(self.rope_scaling, m)
+            except ValueError as e:
+                raise ValueError(f"model.{e}") from None
+            object.__setattr__(self, "rope_scaling", scaling)
+        elif self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            raise ValueError(f"model.rope_scaling must be a mapping (transformers' spelling) or "
+                             f"null, got {self.rope_scaling!r}")
 
     @classmethod
     def from_config(cls, node: Mapping[str, Any]) -> "ModelArgs":
@@ -68,31 +93,61 @@ class ModelArgs:
 
     @classmethod
     def from_hf_config(cls, path: str | Path) -> "ModelArgs":
-        """From a Hugging Face Llama config.json (transformers 4.x or 5.x spelling)."""
+        """From a Hugging Face config.json of a Llama or Qwen2 checkpoint (transformers 4.x
+        spelling: rope_theta and rope_scaling; 5.x: rope_parameters). ValueError, naming the
+        file and the field, for what the model does not implement: other architectures,
+        activations or biases, partial rotary embeddings, sliding-window attention, RoPE types
+        other than default, linear, dynamic, llama3 and yarn."""
         path = Path(path)
         c = json.loads(path.read_text())
-        if c.get("model_type") != "llama":
-            raise ValueError(f"{path}: model_type must be 'llama', got {c.get('model_type')!r}")
-        # transformers 5 writes rope_parameters; 4.x wrote rope_theta and rope_scaling.
-        rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise ValueError(f"{path}: rope scaling ({rope_type!r}) is not supported, only plain RoPE")
-        if c.get("attention_bias") or c.get("mlp_bias") or c.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"{path}: biases and activations other than silu are not supported")
-        return cls(
-            n_layers=c["num_hidden_layers"], dim=c["hidden_size"], n_heads=c["num_attention_heads"],
-            n_kv_heads=c.get("num_key_value_heads") or c["num_attention_heads"],
-            head_dim=c.get("head_dim"), intermediate_size=c["intermediate_size"],
-            vocab_size=c["vocab_size"],
-            rope_theta=float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
-            norm_eps=float(c.get("rms_norm_eps", 1e-6)), name=path.parent.name,
-        )
+        model_type = c.get("model_type")
+        if model_type not in ("llama", "qwen2"):
+            raise ValueError(f"{path}: model_type must be 'llama' or 'qwen2', got {model_type!r}")
+        if c.get("mlp_bias") or c.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"{path}: MLP biases and activations other than silu are not "
+                             "supported")
+        if model_type == "llama" and c.get("attention_bias"):
+            raise ValueError(f"{path}: attention_bias (biases on q, k, v and o_proj) is not "
+                             "supported; q/k/v biases alone are (model_type 'qwen2')")
+        if model_type == "qwen2":
+            _refuse_sliding_window(path, c)
+        # As transformers reads it: rope_scaling (4.x) before rope_parameters (5.x); rope_theta
+        # inside the dict before the top-level one.
+        rope = dict(c.get("rope_scaling") or c.get("rope_parameters") or {})
+        theta = rope.pop("rope_theta", c.get("rope_theta", 10000.0))
+        partial = rope.pop("partial_rotary_factor", c.get("partial_rotary_factor", 1.0))
+        if partial != 1.0:
+            raise ValueError(f"{path}: partial_rotary_factor {partial} (RoPE on part of each head) "
+                             "is not supported")
+        if "original_max_position_embeddings" in c and \
+                rope.get("rope_type", rope.get("type")) in ("llama3", "yarn"):
+            # Phi-3's spelling, which transformers prefers over the one in the dict.
+            rope["original_max_position_embeddings"] = c["original_max_position_embeddings"]
+        try:
+            return cls(
+                n_layers=c["num_hidden_layers"], dim=c["hidden_size"],
+                n_heads=c["num_attention_heads"],
+                n_kv_heads=c.get("num_key_value_heads") or c["num_attention_heads"],
+                head_dim=c.get("head_dim"), intermediate_size=c["intermediate_size"],
+                vocab_size=c["vocab_size"], rope_theta=float(theta),
+                norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+                max_position_embeddings=c.get("max_position_embeddings"), rope_scaling=rope or None,
+                qkv_bias=model_type == "qwen2", name=path.parent.name,
+            )
+        except KeyError as e:
+            raise ValueError(f"{path}: no {e.args[0]} field") from None
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
 
     def num_params(self) -> int:
-        """Parameter count (embedding and LM head included)."""
-        return self.n_layers * (self._layer_matmul_params() + 2 * self.dim) \
-            + 2 * self.vocab_size * self.dim + self.dim
+        """Parameter count (embedding and LM head included, counted apart even where a
+        checkpoint ties them: the model holds both)."""
+        block = self._layer_matmul_params() + 2 * self.dim + self.qkv_bias_params()
+        return self.n_layers * block + 2 * self.vocab_size * self.dim + self.dim
+
+    def qkv_bias_params(self) -> int:
+        """One block's q, k and v biases (0 without)."""
+        return (self.n_heads + 2 * self.n_kv_heads) * self.head_dim if self.qkv_bias else 0
 
     def _layer_matmul_params(self) -> int:
         """Weights of one block's matrix products (q, k, v, o, gate, up, down)."""
@@ -122,6 +177,26 @@ class ModelArgs:
         weights = (self.num_params() - self.vocab_size * self.dim + batch * self.dim) * element_size
         kv = batch * mean_len * self.kv_bytes_per_token(element_size)
         return {"weights": float(weights), "kv_cache": float(kv), "total": float(weights + kv)}
+
+
+def _refuse_sliding_window(path: Path, c: Mapping[str, Any]) -> None:
+    """Qwen2's sliding-window attention, which the model does not implement: ValueError when it
+    is on in any layer. transformers slides layer i when use_sliding_window is set, sliding_window
+    is not null and layer_types[i] is "sliding_attention" (layer_types, when config.json lacks
+    it: layers from max_window_layers on)."""
+    window = c.get("sliding_window") if c.get("use_sliding_window") else None
+    if window is None:
+        return
+    n = c.get("num_hidden_layers", 0)
+    types = c.get("layer_types") or ["sliding_attention" if i >= c.get("max_window_layers", 28)
+                                     else "full_attention" for i in range(n)]
+    sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
+    if sliding:
+        raise ValueError(f"{path}: sliding-window attention (use_sliding_window with "
+                         f"sliding_window={window}, in {len(sliding)} of {n} layers from layer "
+                         f"{sliding[0]}) is not supported: every layer attends to the whole "
+                         "context here. Checkpoints that set use_sliding_window: false (all "
+                         "Qwen2.5 releases) load.")
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

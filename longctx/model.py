@@ -1,5 +1,6 @@
-"""Llama decoder with a static KV cache: prefill through `longctx.attention`, decode through
-`longctx.decode`.
+"""Llama decoder (with Qwen2's q/k/v biases as an option) with a static KV cache: prefill
+through `longctx.attention`, decode through `longctx.decode`. RoPE, scaled or not, reads the
+cos/sin tables of `longctx.ops.rope_tables`.
 
 The model holds no parallel code: longctx.parallel slices its weights, adds collectives and swaps
 its KV cache class after it is built (as gpt-fast and torchtitan do). Module and parameter names
@@ -27,6 +28,7 @@ from longctx.attention import attention
 from longctx.config import ModelArgs, check_chunk
 from longctx.decode import decode
 from longctx.ops import linear, linear_silu_mul, rms_norm, rope_, rope_store_kv, rope_tables
+from longctx.rope import attention_factor
 
 
 class RMSNorm(nn.Module):
@@ -111,25 +113,27 @@ class KVCache(nn.Module):
 
 
 class Linear(nn.Linear):
-    """nn.Linear without bias whose batch-1 product runs longctx.ops.linear (a Triton GEMV on
-    CUDA). Forward hooks (tensor parallelism's all-reduce) apply as to any nn.Linear."""
+    """nn.Linear (bias off by default) whose batch-1 product runs longctx.ops.linear (a Triton
+    GEMV on CUDA, the bias added in its epilogue). Forward hooks (tensor parallelism's
+    all-reduce) apply as to any nn.Linear."""
 
-    def __init__(self, in_features: int, out_features: int) -> None:
-        super().__init__(in_features, out_features, bias=False)
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__(in_features, out_features, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight)
+        return linear(x, self.weight, self.bias)
 
 
 class FusedLinear(Linear):
-    """One Linear (no bias) whose output rows are several checkpoint tensors stacked, e.g. q, k
-    and v: at batch 1 one large GEMV reads the weights closer to the bandwidth limit than a few
-    small ones. `parts` maps each tensor's name (relative to this module's parent) to its rows
-    here; longctx.weights fills each part from its own tensor, and tensor parallelism slices
-    each part and updates the row counts."""
+    """One Linear whose output rows are several checkpoint tensors stacked, e.g. q, k and v: at
+    batch 1 one large GEMV reads the weights closer to the bandwidth limit than a few small
+    ones. `parts` maps each tensor's name (relative to this module's parent) to its rows here;
+    longctx.weights fills each part from its own tensors (weight, and bias if any: its entries
+    are stacked the same way), and tensor parallelism slices each part and updates the row
+    counts."""
 
-    def __init__(self, in_features: int, parts: dict[str, int]) -> None:
-        super().__init__(in_features, sum(parts.values()))
+    def __init__(self, in_features: int, parts: dict[str, int], bias: bool = False) -> None:
+        super().__init__(in_features, sum(parts.values()), bias=bias)
         self.parts = dict(parts)
 
 
@@ -152,7 +156,7 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv_heads = args.n_heads, args.n_kv_heads
         self.qkv_proj = FusedLinear(args.dim, {"q_proj": args.n_heads * D,
                                                "k_proj": args.n_kv_heads * D,
-                                               "v_proj": args.n_kv_heads * D})
+                                               "v_proj": args.n_kv_heads * D}, bias=args.qkv_bias)
         self.o_proj = Linear(args.n_heads * D, args.dim)
         self.kv_cache: KVCache | None = None
 
@@ -161,13 +165,17 @@ class Attention(nn.Module):
 
         The projection's input is input_layernorm's output g * n (norm_weight g [dim]), n of unit
         mean square; for n with independent unit-variance entries, output row j of W has
-        variance sum_i (W[j, i] g[i])^2. A head's std is the root of the mean over its D rows;
-        RoPE rotates pairs of rows within a head, which keeps that mean. For RandomWeights
-        (entries N(0, std^2), norm weights 1) this is std * sqrt(dim): 0.02 * sqrt(8192) = 1.81
-        for CodeLlama-34B."""
+        variance sum_i (W[j, i] g[i])^2, and mean square that plus the square of its bias, if
+        any. A head's std is the root of the mean over its D rows; RoPE rotates pairs of rows
+        within a head, which keeps that mean (the caller scales k's by RoPE's attention factor).
+        For RandomWeights (entries N(0, std^2), norm weights 1) this is std * sqrt(dim): 0.02 *
+        sqrt(8192) = 1.81 for CodeLlama-34B."""
         D, hq, hkv = self.head_dim, self.n_heads, self.n_kv_heads
         w = self.qkv_proj.weight[hq * D:].float() * norm_weight.float()  # k, v rows [2 hkv D, dim]
-        var = w.pow(2).sum(dim=1).view(2, hkv, D).mean(dim=-1)
+        var = w.pow(2).sum(dim=1)
+        if self.qkv_proj.bias is not None:
+            var = var + self.qkv_proj.bias[hq * D:].float().pow(2)
+        var = var.view(2, hkv, D).mean(dim=-1)
         return var[0].sqrt(), var[1].sqrt()
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
@@ -228,7 +236,8 @@ def chunk_spans(length: int, chunk: int | None) -> list[tuple[int, int]]:
 
 
 class Transformer(nn.Module):
-    """Llama decoder. Build, load weights, `setup_caches`, then `prefill` and `decode_step`."""
+    """Llama / Qwen2 decoder. Build, load weights, `setup_caches`, then `prefill` and
+    `decode_step`."""
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
@@ -243,6 +252,7 @@ class Transformer(nn.Module):
         # (batch, max_seq_len, n_kv_heads, head_dim, dtype, device) -> a layer's cache.
         self.make_cache: CacheFactory = KVCache
         self.max_seq_len = 0
+        self.rope_prompt_len = 0  # the prompt length the RoPE tables were made for (dynamic NTK)
 
     def setup_caches(self, batch: int, max_seq_len: int) -> None:
         """Allocate every layer's KV cache and the RoPE tables on the weights' device and dtype."""
@@ -252,10 +262,30 @@ class Transformer(nn.Module):
             attn = layer.self_attn
             attn.kv_cache = self.make_cache(batch, max_seq_len, attn.n_kv_heads, hd, w.dtype,
                                             w.device)
-        cos, sin = rope_tables(max_seq_len, hd, self.args.rope_theta, w.device)
+        cos, sin = rope_tables(max_seq_len, hd, self.args.rope_theta, w.device,
+                               self.args.rope_scaling)
         self.register_buffer("rope_cos", cos, persistent=False)  # [max_seq_len, D] float32
         self.register_buffer("rope_sin", sin, persistent=False)
-        self.max_seq_len = max_seq_len
+        self.max_seq_len, self.rope_prompt_len = max_seq_len, 0
+
+    def rope_for_prompt(self, input_pos: torch.Tensor) -> None:
+        """Before a prefill call over positions input_pos [P] int64 (all its chunks): with
+        dynamic NTK scaling, whose frequencies transformers takes from the length of each forward
+        call, rewrite the RoPE tables (in place) so that the call's positions rotate as one
+        transformers call ending at the same position would, and later positions as decoded
+        tokens (longctx.rope). Other RoPE types: nothing (no host read)."""
+        s = self.args.rope_scaling
+        if s is None or s.rope_type != "dynamic":
+            return
+        end = int(input_pos[-1]) + 1
+        # Up to the original length every row is unscaled, as for no prompt at all.
+        end = end if end > s.original_max_position_embeddings else 0
+        if end != self.rope_prompt_len:
+            cos, sin = rope_tables(self.max_seq_len, self.args.head_dim, self.args.rope_theta,
+                                   self.rope_cos.device, s, prompt_len=end)
+            self.rope_cos.copy_(cos)
+            self.rope_sin.copy_(sin)
+            self.rope_prompt_len = end
 
     def _run(self, tokens: torch.Tensor, pos: torch.Tensor, input_pos: torch.Tensor,
              decoding: bool) -> torch.Tensor:
@@ -290,6 +320,7 @@ class Transformer(nn.Module):
         if tokens.dim() != 2 or tokens.shape[1] == 0 or input_pos.shape != tokens.shape[1:]:
             raise ValueError(f"tokens must be [B, S] with S >= 1 and input_pos [S], got "
                              f"{tuple(tokens.shape)} and {tuple(input_pos.shape)}")
+        self.rope_for_prompt(input_pos)
         for start, end in chunk_spans(tokens.shape[1], chunk):
             h = self.prefill_hidden(tokens[:, start:end], input_pos[start:end])
         return self.lm_head(h).float()
@@ -306,11 +337,15 @@ class Transformer(nn.Module):
         if not isinstance(context_len, int) or context_len < 1 or context_len >= self.max_seq_len:
             raise ValueError(f"context_len must be in [1, {self.max_seq_len}) (the cache holds "
                              f"{self.max_seq_len} positions and decoding needs one), got {context_len!r}")
+        # Decoding continues as after a prompt of context_len positions.
+        self.rope_for_prompt(torch.tensor([context_len - 1]))
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             gen = torch.Generator(device=attn.kv_cache.k_cache.device)
             gen.manual_seed((seed * 1_000_003 + i) % 2**63)
-            attn.kv_cache.fill_random_(context_len, *attn.kv_std(layer.input_layernorm.weight), gen)
+            k_std, v_std = attn.kv_std(layer.input_layernorm.weight)
+            k_std = k_std * attention_factor(self.args.rope_scaling)  # RoPE scales k (YaRN)
+            attn.kv_cache.fill_random_(context_len, k_std, v_std, gen)
 
     def decode_step(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
         """tokens [B] int64 at positions input_pos [B] int64 -> logits [B, V] float32.

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from longctx.backend import use_triton_for
+from longctx.rope import RopeScaling, attention_factor, inv_freq
 
 
 def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -21,17 +22,20 @@ def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and weight.stride(-1) == 1)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [..., K] @ weight [N, K]^T (no bias), in x's dtype.
+def linear(x: torch.Tensor, weight: torch.Tensor,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ weight [N, K]^T (+ bias [N]), in x's dtype.
 
     A single half-precision row on CUDA (a batch-1 decode step) runs longctx's Triton GEMV
-    (kernels/gemv.py), a plain stream of the weights; anything else runs torch's linear.
+    (kernels/gemv.py), a plain stream of the weights, which adds the bias to its float32 sums
+    before the one rounding (as cuBLAS's bias epilogue does); anything else runs torch's linear.
     """
-    if gemv_applies(x, weight):
+    if gemv_applies(x, weight) and (bias is None or (bias.dtype == x.dtype
+                                                     and bias.stride(-1) == 1)):
         from longctx.kernels.gemv import gemv
 
-        return gemv(x, weight)
-    return F.linear(x, weight)
+        return gemv(x, weight, bias=bias)
+    return F.linear(x, weight, bias)
 
 
 def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -65,14 +69,34 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return weight * xf.to(x.dtype)
 
 
-def rope_tables(max_seq_len: int, head_dim: int, theta: float,
-                device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [max_seq_len, head_dim] float32 for the rotate-half convention (Hugging Face)."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device)
-                               / head_dim)
-    freqs = torch.outer(torch.arange(max_seq_len, dtype=torch.float32, device=device), inv_freq)
+def rope_tables(max_seq_len: int, head_dim: int, theta: float, device: torch.device,
+                scaling: RopeScaling | None = None,
+                prompt_len: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [max_seq_len, head_dim] float32 for the rotate-half convention (Hugging Face's):
+    row p rotates position p, computed as transformers' rotary embedding computes it.
+
+    scaling (longctx.rope.RopeScaling; None: plain RoPE) sets the frequencies, and its attention
+    factor (YaRN) multiplies cos and sin, as in transformers. Dynamic NTK scaling depends on the
+    prompt: rows [0, prompt_len) rotate as one call over a prompt of prompt_len positions, later
+    rows as decoded tokens (longctx.rope explains the rule); other types ignore prompt_len.
+    """
+    pos = torch.arange(max_seq_len, dtype=torch.float32, device=device)
+    freqs = pos[:, None] * inv_freq(head_dim, theta, scaling, device=device)  # [S, D/2]
+    if scaling is not None and scaling.rope_type == "dynamic":
+        orig = scaling.original_max_position_embeddings
+        lens = torch.arange(orig + 1, max_seq_len + 1, dtype=torch.int64, device=device)
+        # Position p >= orig decoded alone: the frequencies of length p + 1.
+        freqs[orig:] = pos[orig:, None] * inv_freq(head_dim, theta, scaling, lens)
+        if prompt_len > orig:
+            n = min(prompt_len, max_seq_len)
+            whole = torch.tensor([prompt_len], dtype=torch.int64, device=device)
+            freqs[:n] = pos[:n, None] * inv_freq(head_dim, theta, scaling, whole)
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos(), emb.sin()
+    cos, sin = emb.cos(), emb.sin()
+    if attention_factor(scaling) != 1.0:  # in place: no third and fourth table
+        cos.mul_(attention_factor(scaling))
+        sin.mul_(attention_factor(scaling))
+    return cos, sin
 
 
 def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

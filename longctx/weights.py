@@ -77,9 +77,11 @@ class RandomWeights:
 
 
 class HFCheckpoint:
-    """A Hugging Face Llama checkpoint directory: config.json, model.safetensors or shards listed
-    in model.safetensors.index.json, and (for text prompts) tokenizer.json. Tensors are read with
-    safetensors' get_slice, so a rank reads only its slice from disk."""
+    """A Hugging Face Llama or Qwen2 checkpoint directory: config.json (ModelArgs.from_hf_config
+    says what it accepts), model.safetensors or shards listed in model.safetensors.index.json,
+    and (for text prompts) tokenizer.json. Tensors are read with safetensors' get_slice, so a
+    rank reads only its slice from disk; with tie_word_embeddings the LM head reads the
+    embedding."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)

@@ -23,10 +23,11 @@ CUDA_RESERVE = 2 << 30  # CUDA context, NCCL buffers, CUDA-graph pool, allocator
 class MemoryEstimate:
     """Bytes per device."""
 
-    weights: int
+    weights: int  # q/k/v biases (Qwen2) included
     kv_cache: int  # K and V of every layer (this rank's heads and positions, scratch slot included)
     rope: int  # the RoPE cos/sin tables, float32 [max_seq_len, head_dim] each
-    activations: int  # the largest prefill call's live tensors (or a decode step's), logits
+    activations: int  # the largest prefill call's live tensors (or a decode step's, or the
+    # rebuild of the RoPE tables under dynamic NTK scaling), logits
     reserve: int  # fixed: CUDA context, NCCL, CUDA graphs, allocator slack (0 on a CPU)
 
     @property
@@ -57,10 +58,17 @@ def estimate_memory(args: ModelArgs, *, tp: int, sp: int, batch: int, prompt_len
     hq, hkv = args.n_heads // tp, ParallelDims(tp, sp, tp * sp).local_kv_heads(args)
     inter, vocab = args.intermediate_size // tp, args.vocab_size // tp
     layer = dim * D * (2 * hq + 2 * hkv) + 3 * dim * inter + 2 * dim
+    if args.qkv_bias:
+        layer += (hq + 2 * hkv) * D
     weights = (args.n_layers * layer + 2 * vocab * dim + dim) * e
     slots = max_seq_len if sp == 1 else -(-max_seq_len // sp) + 1  # + the scratch slot
     kv = 2 * args.n_layers * batch * slots * hkv * D * e
     rope = 2 * max_seq_len * D * 4
+    # Dynamic NTK scaling rebuilds them before a prefill beyond its original length
+    # (Transformer.rope_for_prompt): float32 angles and the new cos/sin beside the tables in
+    # use, 3.5 tables for a moment, before any activation is live.
+    dynamic = args.rope_scaling is not None and args.rope_scaling.rope_type == "dynamic"
+    rope_build = rope * 7 // 4 if dynamic else 0
     cpu = device_type != "cuda"
 
     # A decode step: logits (float32, gathered, sampled); on the CPU the reference attention's
@@ -86,6 +94,7 @@ def estimate_memory(args: ModelArgs, *, tp: int, sp: int, batch: int, prompt_len
             calls = [(L, prompt_len)] if sp == 1 else [(L // sp, L // sp), (L, prompt_len // sp)]
             scores = max(batch * hq * (3 * q * k + 2 * k * D) * 4 for q, k in calls)
         act = max(act, block + extra + scores)
+    act = max(act, rope_build)
     return MemoryEstimate(weights, kv, rope, act, 0 if cpu else CUDA_RESERVE)
 
 

@@ -166,6 +166,7 @@ def apply_sequence_parallel(model: Transformer, group) -> None:
             raise ValueError("sequence-parallel prefill takes positions start..start+P-1 with "
                              f"start a multiple of 2 x sp ({2 * sp}) and P >= 1, got input_pos "
                              f"of shape {tuple(input_pos.shape)} from {first}")
+        model.rope_for_prompt(input_pos)
         n = P - P % (2 * sp)
         logits = None
         for start, end in chunk_spans(n, chunk):

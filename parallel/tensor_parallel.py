@@ -44,7 +44,10 @@ class RowParallelLinear(Linear):
 
     def __init__(self, linear: Linear, comm: NcclAllReduce) -> None:
         nn.Module.__init__(self)
+        if linear.bias is not None:  # it would be added once per rank
+            raise ValueError("a row-parallel projection with a bias is not supported")
         self.weight, self.comm = linear.weight, comm
+        self.register_parameter("bias", None)
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -108,14 +111,18 @@ def apply_tensor_parallel(model: Transformer, group, device: torch.device | None
         plan[f"{name}.weight"] = shard
 
     def shard_fused(prefix: str, linear: FusedLinear, shards: dict[str, Shard]) -> None:
-        # Each part (rows stacked along dim 0) keeps its own slice; the slices stay stacked.
-        parts = linear.weight.split(list(linear.parts.values()), dim=0)
-        kept = [p.narrow(0, shards[n].start, shards[n].length) for n, p in zip(linear.parts, parts)]
-        linear.weight = nn.Parameter(torch.cat(kept), requires_grad=False)
+        # Each part (weight rows, and bias entries if any, stacked along dim 0) keeps its own
+        # slice; the slices stay stacked.
+        for kind in ("weight", "bias") if linear.bias is not None else ("weight",):
+            parts = getattr(linear, kind).split(list(linear.parts.values()), dim=0)
+            kept = [p.narrow(0, shards[n].start, shards[n].length)
+                    for n, p in zip(linear.parts, parts)]
+            setattr(linear, kind, nn.Parameter(torch.cat(kept), requires_grad=False))
+            for n in linear.parts:
+                plan[f"{prefix}.{n}.{kind}"] = shards[n]
         linear.out_features = linear.weight.shape[0]
         for n in linear.parts:
             linear.parts[n] = shards[n].length
-            plan[f"{prefix}.{n}.weight"] = shards[n]
 
     comm = NcclAllReduce(group)
     if device is not None:

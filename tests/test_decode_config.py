@@ -23,7 +23,8 @@ def _compose(*overrides: str):
 
 
 def test_presets_exist():
-    assert {"tiny", "codellama34b", "llama2_7b", "llama3_8b"} <= set(PRESETS)
+    assert {"tiny", "codellama34b", "llama2_7b", "llama3_8b", "llama3_1_8b", "llama3_1_70b",
+            "qwen2_5_32b"} <= set(PRESETS)
 
 
 @pytest.mark.parametrize("name", PRESETS)
@@ -48,6 +49,31 @@ def test_codellama34b_has_the_published_hyperparameters():
     assert (a.n_layers, a.dim, a.n_heads, a.n_kv_heads, a.head_dim, a.intermediate_size,
             a.vocab_size, a.rope_theta, a.norm_eps) == (48, 8192, 64, 8, 128, 22016, 32000, 1e6, 1e-5)
     assert round(a.num_params() / 1e9, 1) == 33.7
+
+
+@pytest.mark.parametrize("name,shape,billions", [
+    ("llama3_1_8b", (32, 4096, 32, 8, 128, 14336, 128256, 5e5, 1e-5), 8.03),
+    ("llama3_1_70b", (80, 8192, 64, 8, 128, 28672, 128256, 5e5, 1e-5), 70.55),
+    ("qwen2_5_32b", (64, 5120, 40, 8, 128, 27648, 152064, 1e6, 1e-6), 32.76),
+])
+def test_long_context_presets_have_the_published_hyperparameters(name, shape, billions):
+    """Shapes and parameter counts of the published checkpoints (Qwen2.5's with its q/k/v
+    biases), and the RoPE scaling of their 128k context."""
+    from longctx.rope import RopeScaling
+
+    a = ModelArgs.from_config(_compose(f"+model={name}").model)
+    assert (a.n_layers, a.dim, a.n_heads, a.n_kv_heads, a.head_dim, a.intermediate_size,
+            a.vocab_size, a.rope_theta, a.norm_eps) == shape
+    assert round(a.num_params() / 1e9, 2) == billions
+    if name.startswith("llama"):
+        assert not a.qkv_bias and a.rope_scaling == RopeScaling(
+            "llama3", 8.0, 8192, low_freq_factor=1.0, high_freq_factor=4.0)
+    else:  # YaRN x4 of 32768 positions, as the Qwen2.5 model card sets it
+        s = a.rope_scaling
+        assert a.qkv_bias and (s.rope_type, s.factor, s.original_max_position_embeddings) == (
+            "yarn", 4.0, 32768)
+        assert a.num_params() - a.qkv_bias_params() * a.n_layers == ModelArgs.from_config(
+            {**_compose(f"+model={name}").model, "qkv_bias": False}).num_params()
 
 
 @pytest.mark.parametrize("override,match", [
@@ -210,3 +236,19 @@ def test_largest_context(tp, sp, target, synthetic):
     cpu = dict(kw, dtype=torch.float32, device_type="cpu")
     assert largest_context(tiny, available=GiB, gen_len=8, prefill_chunk=1024, **cpu) > \
         largest_context(tiny, available=GiB, gen_len=8, **cpu)
+
+
+def test_memory_estimate_counts_qkv_biases_and_the_dynamic_rope_rebuild():
+    import dataclasses
+
+    qwen = ModelArgs.from_config(_compose("+model=qwen2_5_32b").model)
+    kw = dict(tp=2, sp=1, batch=1, prompt_len=0, max_seq_len=131072, dtype=torch.bfloat16,
+              device_type="cuda")
+    est = estimate_memory(qwen, **kw)
+    no_bias = estimate_memory(dataclasses.replace(qwen, qkv_bias=False), **kw)
+    # Per rank at tp=2: 20 query and 4 KV heads of 128, bf16, in each of 64 layers.
+    assert est.weights - no_bias.weights == 64 * (20 + 2 * 4) * 128 * 2
+    assert est.rope == 2 * 131072 * 128 * 4 and est.activations < est.rope
+    # Dynamic NTK rebuilds the tables before a long prompt: 3.5 tables beside the two in use.
+    dynamic = dataclasses.replace(qwen, rope_scaling={"rope_type": "dynamic", "factor": 4.0})
+    assert estimate_memory(dynamic, **kw).activations == est.rope * 7 // 4

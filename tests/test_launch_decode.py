@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from longctx.config import ModelArgs
-from tests.checkpoint_utils import write_checkpoint
+from tests.checkpoint_utils import (WORDS, hf_greedy, load_hf_model, save_hf_model,
+                                    write_checkpoint, write_tokenizer)
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # a tiny model: threads only contend
@@ -132,3 +133,25 @@ def test_torchrun_synthetic_cache_with_sequence_parallel(tmp_path):
     assert layout["weights"] == pytest.approx(2 * model["weights"], rel=1e-3)
     assert s["layout_pct_of_bandwidth_limit"] > s["pct_of_bandwidth_limit"] > 0
     assert "largest context that fits tp=1 sp=2" in r.stdout
+
+
+def test_transformers_qwen2_checkpoint_with_yarn_gives_its_tokens(tmp_path):
+    """A Qwen2 checkpoint with YaRN in the transformers 4.x spelling (Qwen2.5's 128k setting),
+    saved by transformers with a tokenizer, decodes from a text prompt to transformers' greedy
+    tokens (one process; the CPU runs fp32)."""
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU the run is bf16: tokens may differ from fp32 transformers")
+    ckpt = tmp_path / "qwen"
+    save_hf_model(ckpt, model_type="qwen2", spelling="4.x", max_position_embeddings=4,
+                  rope={"rope_type": "yarn", "factor": 4.0})
+    write_tokenizer(ckpt)
+    text = "hello world the cache is long and fast"
+    prompt = torch.tensor([[WORDS.index(w) for w in text.split()]])
+    want, _ = hf_greedy(load_hf_model(ckpt), prompt, 6)
+    r = _run(tmp_path, f"model.checkpoint={ckpt}", f"prompt='{text}'", "gen_len=6")
+    assert r.returncode == 0, r.stderr
+    _, s = _summary(tmp_path)
+    assert (s["model"], s["prompt_len"]) == ("qwen", 8)
+    assert s["tokens"] == want[0].tolist()
+    assert s["rope_scaling"] == "yarn (factor 4, original 4 positions, attention factor 1.139)"
+    assert "rope scaling yarn (factor 4" in r.stdout

@@ -9,21 +9,11 @@ from longctx.config import ModelArgs
 from longctx.generate import generate, sample
 from longctx.parallel.build import build_model
 from longctx.weights import HFCheckpoint, RandomWeights, Shard
+from tests.checkpoint_utils import save_hf_model
 
 
 def _hf_model(tmp_path, max_shard_size):
-    transformers = pytest.importorskip("transformers", reason="the reference (test extra)")
-    cfg = transformers.LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=5e5,
-        rms_norm_eps=1e-6, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():  # norms too, so that loading them matters
-            p.copy_(torch.randn_like(p) * (0.3 if "norm" in name else 0.08) + ("norm" in name))
-    hf.save_pretrained(tmp_path, safe_serialization=True, max_shard_size=max_shard_size)
-    return hf
+    return save_hf_model(tmp_path, rope_theta=5e5, max_shard_size=max_shard_size)
 
 
 @pytest.mark.parametrize("max_shard_size", ["60KB", "50GB"], ids=["sharded-index", "one-file"])
@@ -55,9 +45,11 @@ def test_checkpoint_errors(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(ValueError, match="neither model.safetensors"):
         HFCheckpoint(tmp_path)
-    (tmp_path / "config.json").write_text(json.dumps(
-        {"model_type": "llama", "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}))
-    with pytest.raises(ValueError, match="rope scaling .'llama3'. is not supported"):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mistral"}))
+    with pytest.raises(ValueError, match="model_type must be 'llama' or 'qwen2', got 'mistral'"):
+        ModelArgs.from_hf_config(tmp_path / "config.json")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ValueError, match="config.json: no num_hidden_layers field"):
         ModelArgs.from_hf_config(tmp_path / "config.json")
 
 

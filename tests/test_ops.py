@@ -245,6 +245,27 @@ def test_linear_one_row_gemv(N, K, device):
     assert err <= 2 * err_plain + 1e-6, (err, err_plain)
 
 
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("N,K", [(37, 100), (130, 2048)])
+def test_linear_one_row_gemv_with_bias(N, K, dtype, device):
+    """The batch-1 GEMV with a bias (q/k/v of Qwen2) against float64, within 2x the error of
+    torch's linear in the same dtype (fp32 sums plus the bias, one rounding)."""
+    w = torch.randn(N, K, device=device).to(dtype)
+    b = (torch.randn(N, device=device) * 4).to(dtype)  # comparable to the products' spread
+    x = torch.randn(1, 1, K, device=device).to(dtype)
+    want = x.double() @ w.double().T + b.double()
+    with force_triton(not x.is_cuda):
+        got = ops.linear(x, w, b)
+    assert got.shape == (1, 1, N) and got.dtype == dtype
+    plain = torch.nn.functional.linear(x.float(), w.float(), b.float()).to(dtype)
+    err, err_plain = (got.double() - want).abs().max(), (plain.double() - want).abs().max()
+    assert err <= 2 * err_plain + 1e-6, (err, err_plain)
+    from longctx.kernels.gemv import gemv
+
+    with pytest.raises(ValueError, match=rf"bias must be contiguous \[{N}\]"):
+        gemv(x, w, bias=b[:5])
+
+
 @pytest.mark.parametrize("I,K", [(37, 100), (65, 700), (32, 1536)])
 def test_linear_silu_mul_gated_gemv(I, K, device):
     """The gated batch-1 GEMV (silu(gate) * up in its epilogue) against float64, within 2x the
