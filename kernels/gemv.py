@@ -128,3 +128,64 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int] | N
         **push_constexprs(x.dtype, peers.numel() if push else 0),
         num_warps=warps, **pdl_launch(x.device))
     return out
+
+
+@triton.jit
+def _skinny_kernel(X, W, Y, BIAS, M, N, K, stride_xm, stride_wn, stride_ym,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr):
+    # Y^T [N, M] = W [N, K] @ X^T [K, M] for a few rows M <= BLOCK_M: the weight tile is the
+    # MMA's long side and the rows its short one, so each weight byte is read once, by one
+    # program, and no split-K partials need a second pass. Rows past N read row N-1 (kept in
+    # bounds, discarded at the store), as in the GEMV.
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64) * stride_wn
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    pdl_wait(USE_PDL)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + offs_k
+        if EVEN_K:
+            w = tl.load(W + rows[:, None] + ks[None, :], eviction_policy="evict_first")
+        else:
+            w = tl.load(W + rows[:, None] + ks[None, :], mask=(ks < K)[None, :], other=0.0,
+                        eviction_policy="evict_first")
+        xt = tl.load(X + offs_m[None, :] * stride_xm + ks[:, None],
+                     mask=(offs_m < M)[None, :] & (ks < K)[:, None], other=0.0)
+        acc = tl.dot(w, xt, acc)
+    if HAS_BIAS:
+        acc += tl.load(BIAS + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[:, None]
+    tl.store(Y + offs_m[None, :] * stride_ym + offs_n[:, None], acc.to(Y.dtype.element_ty),
+             mask=(offs_n < N)[:, None] & (offs_m < M)[None, :])
+
+
+SKINNY_MAX_ROWS = 16
+
+
+def skinny_config(N: int, K: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) of `skinny_gemm`."""
+    return 32, 128, 4, 4
+
+
+def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """x [..., K] holding M <= 16 rows (unit stride in K), weight [N, K] (unit stride in K),
+    bias [N] or None -> [..., N] in x's dtype (float32 accumulation on the tensor cores, the
+    bias added before the one rounding). The projections of a decode step at batch 2-16.
+    `config` overrides skinny_config, for tuning sweeps."""
+    N, K = weight.shape
+    x2 = x.reshape(-1, K)
+    M = x2.shape[0]
+    if not 1 <= M <= SKINNY_MAX_ROWS or x.shape[-1] != K or x2.stride(-1) != 1:
+        raise ValueError(f"skinny_gemm takes 1-{SKINNY_MAX_ROWS} rows of {K} with unit stride, "
+                         f"got x {tuple(x.shape)}")
+    if bias is not None and (bias.shape != (N,) or bias.stride(0) != 1):
+        raise ValueError(f"bias must be contiguous [{N}], got {tuple(bias.shape)}")
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    block_n, block_k, warps, stages = config or skinny_config(N, K)
+    _skinny_kernel[(cdiv(N, block_n),)](
+        x2, weight, out, x2 if bias is None else bias, M, N, K, x2.stride(0), weight.stride(0),
+        out.stride(0), BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=K % block_k == 0,
+        HAS_BIAS=bias is not None, num_warps=warps, num_stages=stages, **pdl_launch(x.device))
+    return out.view(*x.shape[:-1], N)

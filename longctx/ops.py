@@ -22,19 +22,34 @@ def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and weight.stride(-1) == 1)
 
 
+def skinny_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether linear(x, weight) runs the Triton skinny GEMM: 2-16 half-precision rows on CUDA
+    (a decode step at batch 2-16)."""
+    from longctx.kernels.gemv import SKINNY_MAX_ROWS
+
+    return (use_triton_for(x) and 2 <= x.numel() // x.shape[-1] <= SKINNY_MAX_ROWS
+            and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype
+            and weight.stride(-1) == 1 and x.stride(-1) == 1)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ weight [N, K]^T (+ bias [N]), in x's dtype.
 
     A single half-precision row on CUDA (a batch-1 decode step) runs longctx's Triton GEMV
     (kernels/gemv.py), a plain stream of the weights, which adds the bias to its float32 sums
-    before the one rounding (as cuBLAS's bias epilogue does); anything else runs torch's linear.
+    before the one rounding (as cuBLAS's bias epilogue does); 2-16 rows (batch 2-16) its skinny
+    GEMM; anything else runs torch's linear.
     """
-    if gemv_applies(x, weight) and (bias is None or (bias.dtype == x.dtype
-                                                     and bias.stride(-1) == 1)):
+    bias_ok = bias is None or (bias.dtype == x.dtype and bias.stride(-1) == 1)
+    if gemv_applies(x, weight) and bias_ok:
         from longctx.kernels.gemv import gemv
 
         return gemv(x, weight, bias=bias)
+    if skinny_applies(x, weight) and bias_ok:
+        from longctx.kernels.gemv import skinny_gemm
+
+        return skinny_gemm(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
@@ -46,7 +61,7 @@ def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         from longctx.kernels.gemv import gemv
 
         return gemv(x, weight, gated=True)
-    return silu_mul(F.linear(x, weight))
+    return silu_mul(linear(x, weight))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -266,6 +266,28 @@ def test_linear_one_row_gemv_with_bias(N, K, dtype, device):
         gemv(x, w, bias=b[:5])
 
 
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("M,N,K,bias", [(2, 37, 100, False), (8, 130, 256, True),
+                                        (16, 64, 200, False), (5, 33, 1536, True)])
+def test_skinny_gemm(M, N, K, bias, dtype, device):
+    """The decode projections at batch 2-16 (kernels/gemv.py skinny_gemm) against float64,
+    within 2x torch's error in the same dtype (odd N and K: masked rows, a K tail; M < 16:
+    padded rows)."""
+    from longctx.kernels.gemv import skinny_gemm
+
+    w = torch.randn(N, K, device=device).to(dtype)
+    x = torch.randn(M, 1, K, device=device).to(dtype)
+    b = (torch.randn(N, device=device) * 4).to(dtype) if bias else None
+    want = x.double() @ w.double().T + (b.double() if bias else 0)
+    got = skinny_gemm(x, w, b)
+    assert got.shape == (M, 1, N) and got.dtype == dtype
+    plain = torch.nn.functional.linear(x.float(), w.float(), b.float() if bias else None).to(dtype)
+    err, err_plain = (got.double() - want).abs().max(), (plain.double() - want).abs().max()
+    assert err <= 2 * err_plain + 1e-6, (err, err_plain)
+    with pytest.raises(ValueError, match="skinny_gemm takes 1-16 rows"):
+        skinny_gemm(torch.zeros(17, K, device=device, dtype=dtype), w)
+
+
 @pytest.mark.parametrize("I,K", [(37, 100), (65, 700), (32, 1536)])
 def test_linear_silu_mul_gated_gemv(I, K, device):
     """The gated batch-1 GEMV (silu(gate) * up in its epilogue) against float64, within 2x the
