@@ -3,14 +3,15 @@
     python bench/compile_prefill_hopper.py [--sass DIR] [-j JOBS] [-k TEXT]
 
 No GPU needed. For every kernel variant the dispatch (`hopper_kernel_applies`) can launch --
-bf16 / fp16, head_dim 64 / 128 / 256, causal or not, output or accumulate (the ring's fused
-merge), host descriptors (B == 1 at any length, or lengths multiples of the tiles) or
-device-side ones (B > 1 with ragged lengths, varlen), causal offsets as ints or [B] tensors,
-GQA group 1 / 3 / 8 / 16 with query-head counts 1, 12, 16, 32, 64 -- it builds the launch
-arguments with the launcher's own `launch_args` on CPU tensors and lets Triton's own binder
-specialise them for an sm_90 target (integers equal to 1 become constants, multiples of 16 and
-16-byte aligned pointers get divisibility hints; lengths and offsets are not specialised), so
-each compiled kernel is the one such a launch gets. Prints per kernel:
+bf16 / fp16, head_dim 64 / 128 / 256 (and 96, 192, 80, 40: padded to those tiles), causal or
+not, output or accumulate (the ring's fused merge), host descriptors (B == 1 at any length, or
+lengths multiples of the tiles) or device-side ones (B > 1 with ragged lengths, varlen), causal
+offsets as ints or [B] tensors, GQA group 1 / 3 / 8 / 16 with query-head counts 1, 12, 16, 32,
+64 -- it builds the launch arguments with the launcher's own `launch_args` on CPU tensors and
+lets Triton's own binder specialise them for an sm_90 target (integers equal to 1 become
+constants, multiples of 16 and 16-byte aligned pointers get divisibility hints; lengths and
+offsets are not specialised), so each compiled kernel is the one such a launch gets. Prints per
+kernel:
 
   * ptxas -v (Triton's flags): registers (for a warp-specialized kernel the kernel-wide
     .maxnreg, 168 at 12 warps; the partitions run under their setmaxnreg limits) and spills;
@@ -93,6 +94,23 @@ def variants() -> list[dict]:
                                 Sk=5000))
             out.append(_variant(dtype=dtype, causal=True, D=d, offsets="tensor", varlen=True,
                                 B=3, Sq=3000, Sk=3000))
+        # head_dims that are not powers of two: the tiles of the next one, always device
+        # descriptors (every variant at 96 and 192, the fp16 ones at 96; a few at 80 and 40)
+        for d in (96, 192, 80, 40):
+            if dtype == torch.float16 and d != 96:
+                continue
+            full_set = d in (96, 192)
+            for causal in (False, True):
+                for acc in (False, True):
+                    if full_set or (causal and acc) or (causal and not acc):
+                        out.append(_variant(dtype=dtype, causal=causal, acc=acc, D=d, B=2,
+                                            Sq=4000, Sk=4000))
+                if full_set or not causal:
+                    out.append(_variant(dtype=dtype, causal=causal, D=d, varlen=True, B=3,
+                                        Sq=3000, Sk=3000))
+            if full_set:
+                out.append(_variant(dtype=dtype, causal=True, D=d, offsets="tensor", B=2,
+                                    Sq=4000, Sk=5000))
     base = out[0]
     out.append(dict(base, Sk=384))                                   # another Sk: same kernel
     out.append(dict(base, Sq=12000, Sk=12001))                       # ragged lengths, B = 1

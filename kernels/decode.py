@@ -45,6 +45,7 @@ def _attend_block(
     q, m_i, l_i, acc, n_start, end, k_head, v_head, bt_row, num_pages,
     b64, stride_k0, stride_k1, stride_v0, stride_v1, qk_scale,
     HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PAGED: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
@@ -52,13 +53,17 @@ def _attend_block(
 ):
     """One online-softmax step over keys [n_start, n_start + BLOCK_N) clipped to `end`.
 
-    q [BLOCK_H, D] (cache dtype); m_i, l_i [BLOCK_H] fp32 (max / sum in exp2 domain);
-    acc [BLOCK_H, D] fp32 un-normalised output. n_start is a multiple of BLOCK_N.
+    q [BLOCK_H, BLOCK_D] (cache dtype); m_i, l_i [BLOCK_H] fp32 (max / sum in exp2 domain);
+    acc [BLOCK_H, BLOCK_D] fp32 un-normalised output. n_start is a multiple of BLOCK_N.
     """
     offs_n0 = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)
     offs_n = n_start + offs_n0
     n_mask = offs_n < end
+    if HEAD_DIM == BLOCK_D:
+        kv_mask = n_mask[:, None]
+    else:  # padded head_dim: its columns read as 0 (no bytes moved), so they add 0 to q.k
+        kv_mask = n_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
     if PAGED:
         if BLOCK_N <= PAGE_SIZE:
             # Block is BLOCK_N-aligned and PAGE_SIZE % BLOCK_N == 0, so it lies
@@ -80,8 +85,8 @@ def _attend_block(
         k_rows = b64 * stride_k0 + pos * stride_k1
         v_rows = b64 * stride_v0 + pos * stride_v1
 
-    k = tl.load(k_head + k_rows[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
-    v = tl.load(v_head + v_rows[:, None] + offs_d[None, :], mask=n_mask[:, None], other=0.0)
+    k = tl.load(k_head + k_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_head + v_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
 
     s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale  # [BLOCK_H, BLOCK_N]
     s = tl.where(n_mask[None, :], s, float("-inf"))
@@ -96,6 +101,12 @@ def _attend_block(
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
     return m_new, l_i, acc
+
+
+@triton.jit
+def _times_8(a, b, c):
+    """Three multiples of 8, as expressions whose divisibility by 8 the compiler sees."""
+    return (a // 8) * 8, (b // 8) * 8, (c // 8) * 8
 
 
 @triton.jit
@@ -117,6 +128,7 @@ def _decode_split_kernel(
     HKV: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # HEAD_DIM's tile: the next power of two (padding columns masked)
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PAGED: tl.constexpr,
@@ -128,6 +140,7 @@ def _decode_split_kernel(
     FUSED_MERGE: tl.constexpr = False,  # the last split of each group merges (module docstring)
     MERGE_H: tl.constexpr = 1,  # FUSED_MERGE: query-head rows merged at once (power of two)
     MERGE_P: tl.constexpr = 1,  # FUSED_MERGE: splits loaded at once
+    KV_STRIDES_8: tl.constexpr = False,  # K/V strides are multiples of 8 (only told if D % 16)
 ):
     pdl_wait(USE_PDL)  # q and the newest K/V come from the kernels before
     split = tl.program_id(0)
@@ -138,8 +151,12 @@ def _decode_split_kernel(
     b64 = b.to(tl.int64)
 
     offs_h = hblk * BLOCK_H + tl.arange(0, BLOCK_H)  # index within the GQA group
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)
     h_mask = offs_h < GROUP
+    if HEAD_DIM == BLOCK_D:
+        hd_mask = h_mask[:, None]
+    else:
+        hd_mask = h_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
     q_head = hkv * GROUP + offs_h  # global query-head index
 
     # ---- split range from the current length (device-side, graph-safe) ----
@@ -157,12 +174,17 @@ def _decode_split_kernel(
 
     # ---- q tile [BLOCK_H, D]; padded rows are zero and never stored ----
     q_ptrs = Q + b64 * stride_qb + q_head[:, None].to(tl.int64) * stride_qh + offs_d[None, :]
-    q = tl.load(q_ptrs, mask=h_mask[:, None], other=0.0).to(K.dtype.element_ty)
+    q = tl.load(q_ptrs, mask=hd_mask, other=0.0).to(K.dtype.element_ty)
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
 
+    if KV_STRIDES_8:
+        # Triton knows an int argument's divisibility only by 16: a head_dim such as 40 or 72
+        # leaves the K/V rows' 16-byte alignment unknown, and its loads scalar, unless shown.
+        stride_k0, stride_k1, stride_kh = _times_8(stride_k0, stride_k1, stride_kh)
+        stride_v0, stride_v1, stride_vh = _times_8(stride_v0, stride_v1, stride_vh)
     k_head = K + hkv.to(tl.int64) * stride_kh
     v_head = V + hkv.to(tl.int64) * stride_vh
     bt_row = BLOCK_TABLE + b64 * stride_btb
@@ -177,14 +199,14 @@ def _decode_split_kernel(
             m_i, l_i, acc = _attend_block(
                 q, m_i, l_i, acc, n_start, end, k_head, v_head, bt_row, num_pages,
                 b64, stride_k0, stride_k1, stride_v0, stride_v1, qk_scale,
-                HEAD_DIM, BLOCK_N, PAGED, PAGE_SIZE, INPUT_PRECISION)
+                HEAD_DIM, BLOCK_D, BLOCK_N, PAGED, PAGE_SIZE, INPUT_PRECISION)
             n_start += BLOCK_N
     else:
         for it in range(start, end, BLOCK_N):
             m_i, l_i, acc = _attend_block(
                 q, m_i, l_i, acc, tl.multiple_of(it, BLOCK_N), end, k_head, v_head, bt_row, num_pages,
                 b64, stride_k0, stride_k1, stride_v0, stride_v1, qk_scale,
-                HEAD_DIM, BLOCK_N, PAGED, PAGE_SIZE, INPUT_PRECISION)
+                HEAD_DIM, BLOCK_D, BLOCK_N, PAGED, PAGE_SIZE, INPUT_PRECISION)
 
     # ---- normalised partial output + natural-log LSE ----
     empty = l_i == 0.0
@@ -197,7 +219,7 @@ def _decode_split_kernel(
     split64 = split.to(tl.int64)
     o_ptrs = (O_PART + split64 * stride_os + b64 * stride_ob
               + q_head[:, None].to(tl.int64) * stride_oh + offs_d[None, :])
-    tl.store(o_ptrs, o.to(O_PART.dtype.element_ty), mask=h_mask[:, None])
+    tl.store(o_ptrs, o.to(O_PART.dtype.element_ty), mask=hd_mask)
     lse_ptrs = LSE_PART + split64 * stride_ls + b64 * stride_lb + q_head
     tl.store(lse_ptrs, lse, mask=h_mask)
 
@@ -225,7 +247,11 @@ def _decode_split_kernel(
             lse_m = tl.where(len_ok, lse_m, float("nan"))
             out_ptrs = (O + b64 * stride_out_b + heads[:, None].to(tl.int64) * stride_out_h
                       + offs_d[None, :])
-            tl.store(out_ptrs, o_m.to(O.dtype.element_ty), mask=r_mask[:, None])
+            if HEAD_DIM == BLOCK_D:
+                out_mask = r_mask[:, None]
+            else:
+                out_mask = r_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
+            tl.store(out_ptrs, o_m.to(O.dtype.element_ty), mask=out_mask)
             tl.store(LSE + b64 * stride_lse_b + heads, lse_m, mask=r_mask)
 
 
@@ -240,13 +266,16 @@ def _launch_config(head_dim: int, dtype: torch.dtype, block_h: int, keys_per_spl
     MB of cache, 2-5 µs for 134-268 MB); on an H100 80GB HBM3, 64 keys with 3 stages (128 loses
     0.3-1.2 µs). Every GPU named H100 gets the H100's choice, every other one the H200's.
     Other cases were chosen from offline sm_90 compiles (no spills): fp32 ("ieee" dot on FMA
-    units) needs small key blocks and 8 warps; head_dim 256 halves the key block.
+    units) needs small key blocks and 8 warps; head_dim 256 halves the key block. A head_dim
+    that is not a power of two takes the choice of its tile (the next power of two): the
+    registers and the tensor-core work are the tile's.
     """
+    d = next_power_of_2(head_dim)
     if dtype == torch.float32:
-        return (32 if head_dim <= 128 and block_h * head_dim < 64 * 128 else 16), 8, 2
-    if head_dim > 128:
-        return 32, 8 if block_h * head_dim >= 64 * 128 else 4, 2
-    num_warps = 8 if block_h * head_dim >= 64 * 128 else 4
+        return (32 if d <= 128 and block_h * d < 64 * 128 else 16), 8, 2
+    if d > 128:
+        return 32, 8 if block_h * d >= 64 * 128 else 4, 2
+    num_warps = 8 if block_h * d >= 64 * 128 else 4
     if keys_per_split >= 1024:
         return (64 if "H100" in device_name(device) else 128), num_warps, 3
     return 64, num_warps, 2 if keys_per_split <= 256 else 3
@@ -282,18 +311,22 @@ def _split_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     sl_dtype = q.dtype if cache_seqlens is None else cache_seqlens.dtype
     group = Hq // Hkv
     block_h = _block_h(group)
+    block_d = next_power_of_2(D)
     keys = cdiv(capacity, num_splits)
     block_n, num_warps, num_stages = config or _launch_config(D, k_cache.dtype, block_h, keys, q.device)
     # fp32 caches: exact fp32 products (tf32 would cost ~1e-3 relative error).
     precision = "ieee" if k_cache.dtype == torch.float32 else "tf32"
     sk, sv = k_cache.stride(), v_cache.stride()
+    # (a multiple of 16 is specialised by Triton anyway: a power-of-two D compiles unchanged)
+    kv_strides_8 = D % 16 != 0 and all(x % 8 == 0 for x in (*sk[:3], *sv[:3]))
     # Fused merge: the last program of a group merges MERGE_H query heads (its own, padded to a
     # power of two) over MERGE_P splits per load, 64 float32 registers per thread of tile.
     # Unfused launches keep the defaults: one binary whatever the split count.
     merge = {}
     if fused_merge:
         merge_h = min(block_h, next_power_of_2(group))
-        merge_p = max(1, min(next_power_of_2(num_splits), 64 * 32 * num_warps // (merge_h * D)))
+        merge_p = max(1, min(next_power_of_2(num_splits),
+                             64 * 32 * num_warps // (merge_h * block_d)))
         merge = dict(FUSED_MERGE=True, MERGE_H=merge_h, MERGE_P=merge_p)
     return Launch(
         _decode_split_kernel, (num_splits, B * Hkv, cdiv(group, block_h)),
@@ -306,9 +339,11 @@ def _split_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
          B * Hq * D, Hq * D, D,  # o_part, contiguous
          B * Hq, Hq,  # lse_part, contiguous
          Hq * D, D, Hq),  # o and lse (fused merge), contiguous
-        dict(HKV=Hkv, GROUP=group, HEAD_DIM=D, BLOCK_H=block_h, BLOCK_N=block_n, PAGED=paged,
-             PAGE_SIZE=page_size, INPUT_PRECISION=precision, INTERPRET_LOOP=_INTERPRET,
-             HAS_SEQLENS=cache_seqlens is not None, **merge, num_warps=num_warps,
+        dict(HKV=Hkv, GROUP=group, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_N=block_n,
+             PAGED=paged, PAGE_SIZE=page_size, INPUT_PRECISION=precision,
+             INTERPRET_LOOP=_INTERPRET,
+             HAS_SEQLENS=cache_seqlens is not None, **merge, KV_STRIDES_8=kv_strides_8,
+             num_warps=num_warps,
              num_stages=num_stages, **pdl_launch(q.device)))
 
 

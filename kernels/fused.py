@@ -61,20 +61,36 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 @triton.jit
-def _rope_angles(COS, SIN, POS, stride_t, HALF: tl.constexpr):
-    # The fp32 cos and sin [HALF] of the position at POS (a [max_seq_len, D] table's first half:
-    # rotate-half tables repeat it).
-    pos = tl.load(POS).to(tl.int64)
-    offs_d = tl.arange(0, HALF)
-    return tl.load(COS + pos * stride_t + offs_d), tl.load(SIN + pos * stride_t + offs_d)
+def _cols_mask(rows, N: tl.constexpr, BLOCK: tl.constexpr):
+    # The row mask rows [BLOCK_H, 1] limited to the first N of BLOCK columns, BLOCK being N
+    # padded to a power of two (head_dim 96, 80, ...): `rows` itself when nothing is padded.
+    if N == BLOCK:
+        return rows
+    else:
+        return rows & (tl.arange(0, BLOCK) < N)[None, :]
 
 
 @triton.jit
-def _rotate_rows_(base, cos, sin, mask, HALF: tl.constexpr):
+def _rope_angles(COS, SIN, POS, stride_t, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    # The fp32 cos and sin [BLOCK_HALF] of the position at POS (a [max_seq_len, D] table's first
+    # half: rotate-half tables repeat it; padding columns read 0).
+    pos = tl.load(POS).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_HALF)
+    if HALF == BLOCK_HALF:
+        return tl.load(COS + pos * stride_t + offs_d), tl.load(SIN + pos * stride_t + offs_d)
+    else:
+        m = offs_d < HALF
+        return (tl.load(COS + pos * stride_t + offs_d, mask=m, other=0.0),
+                tl.load(SIN + pos * stride_t + offs_d, mask=m, other=0.0))
+
+
+@triton.jit
+def _rotate_rows_(base, cos, sin, mask, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr):
     # Rotate-half RoPE of the rows at `base` ([BLOCK_H, 1] pointers to each head's first
-    # element) in place: x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin in fp32 (cos/sin [HALF]
-    # fp32), rounded to the rows' dtype. Returns the rotated halves (x1', x2') in that dtype.
-    offs_d = tl.arange(0, HALF)[None, :]
+    # element) in place: x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin in fp32 (cos/sin
+    # [BLOCK_HALF] fp32), rounded to the rows' dtype. `mask` [BLOCK_H, 1 or BLOCK_HALF]: the
+    # rows (and half-head columns) to touch. Returns the rotated halves (x1', x2') in that dtype.
+    offs_d = tl.arange(0, BLOCK_HALF)[None, :]
     x1 = tl.load(base + offs_d, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(base + HALF + offs_d, mask=mask, other=0.0).to(tl.float32)
     y1 = (x1 * cos - x2 * sin).to(base.dtype.element_ty)
@@ -86,28 +102,30 @@ def _rotate_rows_(base, cos, sin, mask, HALF: tl.constexpr):
 
 @triton.jit
 def _rope_kernel(X, COS, SIN, POS, stride_xb, stride_xs, stride_xh, stride_pb, stride_ps,
-                 S, H, stride_t, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-                 USE_PDL: tl.constexpr):
+                 S, H, stride_t, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                 BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr):
     # One program per (token, block of heads): rotate-half RoPE in place.
     pdl_wait(USE_PDL)
     t = tl.program_id(0)
     b = (t // S).to(tl.int64)
     s = (t % S).to(tl.int64)
-    cos, sin = _rope_angles(COS, SIN, POS + b * stride_pb + s * stride_ps, stride_t, HALF)
+    cos, sin = _rope_angles(COS, SIN, POS + b * stride_pb + s * stride_ps, stride_t, HALF,
+                            BLOCK_HALF)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask = (offs_h < H)[:, None]
+    mask = _cols_mask((offs_h < H)[:, None], HALF, BLOCK_HALF)
     base = X + b * stride_xb + s * stride_xs + offs_h[:, None].to(tl.int64) * stride_xh
-    _rotate_rows_(base, cos, sin, mask, HALF)
+    _rotate_rows_(base, cos, sin, mask, HALF, BLOCK_HALF)
 
 
 def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """Rotate x [B, S, H, D] (last stride 1) in place by the positions pos [B, S] (any strides,
-    e.g. expanded); cos/sin are the [max_seq_len, D] float32 tables. Returns x."""
+    """Rotate x [B, S, H, D] (last stride 1, D even) in place by the positions pos [B, S] (any
+    strides, e.g. expanded); cos/sin are the [max_seq_len, D] float32 tables. Returns x."""
     B, S, H, D = x.shape
     BLOCK_H = min(next_power_of_2(H), 16)
     _rope_kernel[(B * S, cdiv(H, BLOCK_H))](
         x, cos, sin, pos, x.stride(0), x.stride(1), x.stride(2), pos.stride(0), pos.stride(1),
-        S, H, cos.stride(0), HALF=D // 2, BLOCK_H=BLOCK_H, num_warps=2, **pdl_launch(x.device))
+        S, H, cos.stride(0), HALF=D // 2, BLOCK_HALF=next_power_of_2(D // 2), BLOCK_H=BLOCK_H,
+        num_warps=2, **pdl_launch(x.device))
     return x
 
 
@@ -139,15 +157,17 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _store_kv_kernel(KC, VC, K, V, SLOT, S_MAX, stride_cb, stride_cs, stride_ch,
                      stride_kb, stride_kh, stride_vb, stride_vh, H,
-                     BLOCK_H: tl.constexpr, D: tl.constexpr, USE_PDL: tl.constexpr):
+                     BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                     USE_PDL: tl.constexpr):
     # Program (b, 0) writes k[b] and (b, 1) writes v[b] at cache position SLOT[b]; a slot out of
-    # range is skipped (the decode that follows flags its sequence with NaN).
+    # range is skipped (the decode that follows flags its sequence with NaN). BLOCK_D: D padded
+    # to a power of two.
     pdl_wait(USE_PDL)
     b = tl.program_id(0).to(tl.int64)
     slot = tl.load(SLOT + b).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, D)
-    mask = (offs_h < H)[:, None] & (slot >= 0) & (slot < S_MAX)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = _cols_mask((offs_h < H)[:, None], D, BLOCK_D) & (slot >= 0) & (slot < S_MAX)
     if tl.program_id(1) == 0:
         src = K + b * stride_kb + offs_h[:, None] * stride_kh + offs_d[None, :]
         dst = KC + b * stride_cb + slot * stride_cs + offs_h[:, None] * stride_ch + offs_d[None, :]
@@ -165,35 +185,37 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     _store_kv_kernel[(B, 2)](k_cache, v_cache, k, v, slot, S_max, k_cache.stride(0),
                              k_cache.stride(1), k_cache.stride(2), k.stride(0), k.stride(1),
                              v.stride(0), v.stride(1), H, BLOCK_H=next_power_of_2(H), D=D,
-                             num_warps=4, **pdl_launch(k.device))
+                             BLOCK_D=next_power_of_2(D), num_warps=4, **pdl_launch(k.device))
 
 
 @triton.jit
 def _rope_store_kv_kernel(Q, K, V, COS, SIN, POS, KC, VC, SLOT, S_MAX,
                           stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
                           stride_p, stride_t, stride_cb, stride_cs, stride_ch, HQ, HKV,
-                          HALF: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr):
+                          HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+                          USE_PDL: tl.constexpr):
     # A decode step's RoPE and KV store, one token per sequence b = program_id(0): programs
     # j < cdiv(HQ, BLOCK_H) rotate a block of q heads in place (as _rope_kernel); the others
     # rotate a block of k heads in place too and write them and the same v heads at cache
     # position SLOT[b], skipping a slot out of range (as _store_kv_kernel).
     pdl_wait(USE_PDL)
     b = tl.program_id(0).to(tl.int64)
-    cos, sin = _rope_angles(COS, SIN, POS + b * stride_p, stride_t, HALF)
+    cos, sin = _rope_angles(COS, SIN, POS + b * stride_p, stride_t, HALF, BLOCK_HALF)
     n_qb = tl.cdiv(HQ, BLOCK_H)
     j = tl.program_id(1)
     if j < n_qb:
         offs_q = j * BLOCK_H + tl.arange(0, BLOCK_H)
         _rotate_rows_(Q + b * stride_qb + offs_q[:, None].to(tl.int64) * stride_qh, cos, sin,
-                      (offs_q < HQ)[:, None], HALF)
+                      _cols_mask((offs_q < HQ)[:, None], HALF, BLOCK_HALF), HALF, BLOCK_HALF)
     else:
         offs_h = (j - n_qb) * BLOCK_H + tl.arange(0, BLOCK_H)
         head = offs_h[:, None].to(tl.int64)
         k1, k2 = _rotate_rows_(K + b * stride_kb + head * stride_kh, cos, sin,
-                               (offs_h < HKV)[:, None], HALF)
+                               _cols_mask((offs_h < HKV)[:, None], HALF, BLOCK_HALF), HALF,
+                               BLOCK_HALF)
         slot = tl.load(SLOT + b).to(tl.int64)
-        mask = (offs_h < HKV)[:, None] & (slot >= 0) & (slot < S_MAX)
-        offs_d = tl.arange(0, HALF)[None, :]
+        mask = _cols_mask((offs_h < HKV)[:, None], HALF, BLOCK_HALF) & (slot >= 0) & (slot < S_MAX)
+        offs_d = tl.arange(0, BLOCK_HALF)[None, :]
         dst = b * stride_cb + slot * stride_cs + head * stride_ch + offs_d
         tl.store(KC + dst, k1, mask=mask)
         tl.store(KC + dst + HALF, k2, mask=mask)
@@ -215,4 +237,5 @@ def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
         q, k, v, cos, sin, pos, k_cache, v_cache, slot, k_cache.shape[1], q.stride(0),
         q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), pos.stride(0),
         cos.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), HQ, HKV,
-        HALF=D // 2, BLOCK_H=BLOCK_H, num_warps=2, **pdl_launch(q.device))
+        HALF=D // 2, BLOCK_HALF=next_power_of_2(D // 2), BLOCK_H=BLOCK_H, num_warps=2,
+        **pdl_launch(q.device))

@@ -18,6 +18,10 @@ Features
 * Q/K/V/O tiles move through tensor descriptors (``tl.make_tensor_descriptor``:
   TMA bulk copies on Hopper, zero fill past a sequence's end), so no per-element
   offset tensors live in registers.
+* head_dim D: any multiple of 8 in [16, 256]. Tiles are BLOCK_D = D padded to a
+  power of two wide; the descriptors span D columns, so columns D .. BLOCK_D - 1
+  load as 0 (adding 0 to Q K^T) and are dropped from the O store, with no mask
+  arithmetic (the accumulating epilogue masks them).
 * Online softmax in fp32 using ``exp2`` with ``softmax_scale * log2(e)``
   folded into one multiplier; the returned LSE is the natural-log LSE.
 
@@ -26,10 +30,11 @@ Hopper path
 On sm_90 GPUs `flash_attention_fwd` hands the calls that `hopper_kernel_applies` accepts to a
 warp-specialized Gluon kernel (kernels/prefill_hopper.py, imported on first use: a TMA
 producer warp and two consumer warpgroups on mbarrier rings, in FA3's order), same contract:
-bf16 / fp16, head_dim 64 / 128 / 256, dense or varlen, any lengths and causal offsets, with or
-without the fused merge, where it measured faster than the Triton kernel on an H100 (causal
-from 2048 query rows, unmasked from 512 programs of 128 query rows; the Triton kernel runs two
-programs per SM, the Gluon kernel one). Everything else runs the Triton kernel below, and so
+bf16 / fp16, head_dim 64 / 128 / 256 or a multiple of 8 between them (padded to those tiles),
+dense or varlen, any lengths and causal offsets, with or without the fused merge, where it
+measured faster than the Triton kernel on an H100 (causal from 2048 query rows, unmasked from
+512 programs of 128 query rows; the Triton kernel runs two programs per SM, the Gluon kernel
+one). Everything else runs the Triton kernel below, and so
 does every call with ``LONGCTX_PREFILL_KERNEL=triton`` in the environment at import or inside
 ``prefill_kernel("triton")`` (A/B runs), under the interpreter, with ``_config``, on other GPUs.
 """
@@ -421,8 +426,12 @@ def _set_allocator() -> None:
 # measured there yet (bench/prefill_short.py measures them).
 _CAUSAL_MIN_SEQLEN_Q = 2048
 _MIN_PROGRAMS = 512
-# head_dims the dispatch sends to the Gluon kernel (its HEAD_DIMS: 64, 128, 256); 64 and 256 are
-# expected faster than the Triton kernel, to be confirmed by bench/check_prefill_hopper.py.
+# head_dim tiles the dispatch sends to the Gluon kernel (its HEAD_DIMS: 64, 128, 256); 64 and 256
+# are expected faster than the Triton kernel, to be confirmed by bench/check_prefill_hopper.py.
+# A head_dim between them (40 .. 248, multiples of 8: 80, 96, 192, ...) goes there too, padded
+# to its tile: both kernels pad it to the same power of two (tensor cores and shared memory
+# sized by the tile, TMA zero-filling the padding columns), so the Gluon kernel's lead at the
+# tile's width carries over; the Triton kernel would run the same padded tiles, slower.
 _HOPPER_HEAD_DIMS = (64, 128, 256)
 _PREFILL_KERNEL_ENV = "LONGCTX_PREFILL_KERNEL"
 
@@ -469,7 +478,8 @@ def hopper_kernel_applies(
     Pure (no device queries), so that the rule is testable on a CPU. The caller also requires
     CUDA tensors, no Triton interpreter and LONGCTX_PREFILL_KERNEL != "triton".
 
-    True for: capability (9, 0); no ``_config``; bf16 / fp16; head_dim in _HOPPER_HEAD_DIMS;
+    True for: capability (9, 0); no ``_config``; bf16 / fp16; head_dim a multiple of 8 whose tile
+    (the next power of two) is in _HOPPER_HEAD_DIMS;
     dense or varlen, any lengths (none zero), any causal offsets (ints or [B] tensors), with or
     without the fused merge; q, k, v whose (sequence, head) slices TMA can address
     (`_tma_seqs`: the kernel's device-side descriptors); enough work (measured
@@ -484,7 +494,7 @@ def hopper_kernel_applies(
     if len(q_shape) != (3 if varlen else 4) or 0 in (*q_shape, *k_shape):
         return False
     hq, d = q_shape[-2:]
-    if d not in _HOPPER_HEAD_DIMS:
+    if d % 8 or next_power_of_2(d) not in _HOPPER_HEAD_DIMS:
         return False
     itemsize = dtypes[0].itemsize
     # The dispatched kernel makes its descriptors on the device, per (sequence, head).

@@ -7,9 +7,10 @@ LSE = -inf). Import it only on a CUDA machine (flash_attention_fwd does so lazil
 interpreter. The masking rule (key-tile bounds, masked softmax step) is kernels/prefill_tiles.py,
 Triton functions that the tests also run under the interpreter.
 
-Covers: bf16 / fp16, head_dim 64, 128 or 256, dense q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] or
-varlen q [total_q, Hq, D], k/v [total_k, Hkv, D] with cu_seqlens, any GQA group, optionally
-merging into a running (O, LSE) state (the ring's fused merge, dense only).
+Covers: bf16 / fp16, head_dim 64, 128 or 256 and every multiple of 8 in between (40 .. 248:
+tiles of the next power of two, below), dense q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] or varlen
+q [total_q, Hq, D], k/v [total_k, Hkv, D] with cu_seqlens, any GQA group, optionally merging
+into a running (O, LSE) state (the ring's fused merge, dense only).
 
 Tiles move by TMA, through one of two kinds of descriptors:
   * device (what longctx.attention runs): per program, a descriptor [seqlen, D] over one
@@ -69,7 +70,16 @@ branch 459; the former causal kernel's round, peeled diagonal after its loop, ra
 
 Tiles: BLOCK_N = 128 keys for head_dim 64 and 128; 64 for head_dim 256 (shared memory: Q
 128 x 256 and two slots each of K and V, 192 KiB; the fp32 O accumulator is 64 x 256 per
-warpgroup, 128 registers a thread).
+warpgroup, 128 registers a thread). Any other head_dim D runs the tiles of BLOCK_D = the next
+power of two (96 and 80 those of 128, 192 those of 256): the device descriptors span the head's
+D columns, so TMA zero-fills columns D .. BLOCK_D - 1 of Q, K and V in shared memory (they add
+0 to Q K^T and give O columns that are never stored) and drops them from the O stores; the
+fused merge masks them. The tensor cores then do BLOCK_D / D times the work of D (4/3 at 96 and
+192), the softmax no more. (Gluon tensors are powers of two: an exact width would take the head
+in power-of-two parts, 96 = 64 + 32, with two MMAs each for Q K^T and P V.) Host descriptors
+([B * S, H * D]) would load the next head's columns into the padding: a padded D always runs
+device descriptors. Compiled (bench/compile_prefill_hopper.py) the padded kernels are the tile's:
+the same registers, shared memory and round loop.
 
 What ptxas does (bench/compile_prefill_hopper.py checks every dispatchable variant): no spills,
 no C75xx wgmma-serialization warnings, consumers within their 240 registers. The softmax exp2s
@@ -106,13 +116,14 @@ from longctx.kernels.prefill_tiles import (
     _softmax_step,
     _softmax_step_masked,
 )
+from longctx.kernels.utils import next_power_of_2
 
 __all__ = ["hopper_attention_fwd", "HEAD_DIMS"]
 
 _LOG2E = 1.4426950408889634
 BLOCK_M = 128       # query rows per program
 WG_ROWS = 64        # query rows per consumer warpgroup
-HEAD_DIMS = (64, 128, 256)
+HEAD_DIMS = (64, 128, 256)  # head_dim tiles; other multiples of 8 in (32, 256] pad to one
 NUM_STAGES = 2      # K / V ring slots
 NUM_WARPS = 4       # the default partition (consumer 0); the workers add 4 + 1 (padded to 4)
 CONSUMER_REGS = 240
@@ -124,7 +135,8 @@ _GL_DTYPE = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
 def block_n(head_dim: int) -> int:
-    """Keys per tile: 128, or 64 for head_dim 256 (shared memory, see the module docstring)."""
+    """Keys per tile: 128, or 64 for head_dim 256 and the head_dims padded to it (shared memory,
+    see the module docstring)."""
     return 64 if head_dim > 128 else 128
 
 
@@ -181,16 +193,17 @@ def _program(CU_Q, CU_K, Q_START, K_START, SEQLEN_Q, SEQLEN_K, MAX_SEQLEN_Q, H_Q
 
 @gluon.jit
 def _rows_source(desc, X, b, head, seq0, seqlen, seqlen_dense, stride_b, stride_s, stride_h,
-                 BLOCK_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, LAYOUT: gl.constexpr,
-                 DEVICE_DESC: gl.constexpr):
+                 BLOCK_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_D: gl.constexpr,
+                 LAYOUT: gl.constexpr, DEVICE_DESC: gl.constexpr):
     """(descriptor, row, column) of the sequence's row 0 of one head of X, in [BLOCK_ROWS,
-    HEAD_DIM] boxes: the host descriptor [B * S, H * D] (row b * S, column head * D) or one made
-    here over the (sequence, head) [seqlen, D] (row 0, column 0)."""
+    BLOCK_D] boxes: the host descriptor [B * S, H * D] (row b * S, column head * D; D ==
+    BLOCK_D) or one made here over the (sequence, head) [seqlen, D] (row 0, column 0), whose
+    columns past D (a padded head_dim) are zero on loads and dropped on stores."""
     if DEVICE_DESC:
         base = (X + b.to(gl.int64) * stride_b + seq0.to(gl.int64) * stride_s
                 + head.to(gl.int64) * stride_h)
         d = tma.make_tensor_descriptor(base, [seqlen, HEAD_DIM], [stride_s, 1],
-                                       [BLOCK_ROWS, HEAD_DIM], LAYOUT)
+                                       [BLOCK_ROWS, BLOCK_D], LAYOUT)
         return d, 0, 0
     else:
         return desc, b * seqlen_dense, head * HEAD_DIM
@@ -241,10 +254,11 @@ def _round(j, q, p_op, acc, alpha, m_i, l_i, qk_scale, k_smem, v_smem, k_full, k
 @gluon.jit
 def _merge_into_state(o, lse, rows, O_ACC, LSE_ACC, b, h, seqlen_q, stride_ob, stride_os,
                       stride_oh, stride_lb, stride_ls, stride_lh, HEAD_DIM: gl.constexpr,
-                      o_layout: gl.constexpr):
-    """Fold a warpgroup's state (o [ROWS, HEAD_DIM] normalised fp32, lse [ROWS] natural log, of
+                      BLOCK_D: gl.constexpr, o_layout: gl.constexpr):
+    """Fold a warpgroup's state (o [ROWS, BLOCK_D] normalised fp32, lse [ROWS] natural log, of
     in-sequence query rows `rows`) into the running state O_ACC [B, Sq, Hq, D] / LSE_ACC
-    [B, Sq, Hq] float32 (strides given), in place; rows >= seqlen_q are left alone.
+    [B, Sq, Hq] float32 (strides given), in place; rows >= seqlen_q and columns >= D (a padded
+    head_dim) are left alone.
 
     kernels/prefill.py's ACCUMULATE epilogue: merge_into's rule through the merge layer's own
     `_rescale` / `_state_lse` (kernels/merge.py; Triton functions, callable from Gluon). Each
@@ -252,7 +266,7 @@ def _merge_into_state(o, lse, rows, O_ACC, LSE_ACC, b, h, seqlen_q, stride_ob, s
     """
     row_ok = rows < seqlen_q
     rows64 = rows.to(gl.int64)
-    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    cols = gl.arange(0, BLOCK_D, layout=gl.SliceLayout(0, o_layout))
     l_ptrs = LSE_ACC + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh + rows64 * stride_ls
     o_ptrs = (O_ACC + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
               + gl.expand_dims(rows64 * stride_os, 1) + gl.expand_dims(cols, 0))
@@ -260,7 +274,10 @@ def _merge_into_state(o, lse, rows, O_ACC, LSE_ACC, b, h, seqlen_q, stride_ob, s
     m = gl.maximum(lse_old, lse)
     w_old, w_new = _rescale(lse_old, m, lse)
     # an empty running state (w_old == 0) is never read: its O may be anything, NaN included
-    o_old = gl.load(o_ptrs, mask=gl.expand_dims((w_old > 0) & row_ok, 1), other=0.0)
+    old_ok = gl.expand_dims((w_old > 0) & row_ok, 1)
+    if HEAD_DIM != BLOCK_D:
+        old_ok = old_ok & gl.expand_dims(cols < HEAD_DIM, 0)
+    o_old = gl.load(o_ptrs, mask=old_ok, other=0.0)
     s = w_old + w_new
     o = ((o_old * gl.expand_dims(w_old, 1) + o * gl.expand_dims(w_new, 1))
          / gl.expand_dims(gl.where(s > 0, s, 1.0), 1))
@@ -268,7 +285,10 @@ def _merge_into_state(o, lse, rows, O_ACC, LSE_ACC, b, h, seqlen_q, stride_ob, s
     # threads, one of which stores it) before any overwrites it. Inside a partition this is a
     # named barrier over the partition's 128 threads.
     gl.thread_barrier()
-    gl.store(o_ptrs, o, mask=gl.expand_dims(row_ok, 1))
+    new_ok = gl.expand_dims(row_ok, 1)
+    if HEAD_DIM != BLOCK_D:
+        new_ok = new_ok & gl.expand_dims(cols < HEAD_DIM, 0)
+    gl.store(o_ptrs, o, mask=new_ok)
     gl.store(l_ptrs, _state_lse(m, s), mask=row_ok)
 
 
@@ -280,8 +300,8 @@ def _producer(q_desc, k_desc, v_desc, Q, K, V, q_smem, k_smem, v_smem, bars, CU_
               Q_START, K_START, stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
               stride_vb, stride_vs, stride_vh, SEQLEN_Q, SEQLEN_K, MAX_SEQLEN_Q, H_Q, GROUP,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-              NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr,
-              DEVICE_DESC: gl.constexpr, Q_START_IS_TENSOR: gl.constexpr,
+              BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+              VARLEN: gl.constexpr, DEVICE_DESC: gl.constexpr, Q_START_IS_TENSOR: gl.constexpr,
               K_START_IS_TENSOR: gl.constexpr, Q_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr):
     """1 warp: Q halves, then K_0, (K_{t+1}, V_t) for t < n_tiles - 1, V_{n_tiles-1}: K runs
     one tile ahead of V, as round j of the consumers needs K_{j+1} before V_j. Nothing when the
@@ -294,8 +314,8 @@ def _producer(q_desc, k_desc, v_desc, Q, K, V, q_smem, k_smem, v_smem, bars, CU_
         # device mode: each descriptor is made right before its first load, so that making the
         # next one overlaps the loads already issued
         qd, q_row, q_col = _rows_source(q_desc, Q, b, h, q_seq0, seqlen_q, SEQLEN_Q, stride_qb,
-                                        stride_qs, stride_qh, BLOCK_M // 2, HEAD_DIM, Q_LAYOUT,
-                                        DEVICE_DESC)
+                                        stride_qs, stride_qh, BLOCK_M // 2, HEAD_DIM, BLOCK_D,
+                                        Q_LAYOUT, DEVICE_DESC)
         for wg in gl.static_range(2):
             mbarrier.expect(q_bars.index(wg), qd.block_type.nbytes)
             tma.async_copy_global_to_shared(qd, [q_row + m0 + wg * (BLOCK_M // 2), q_col],
@@ -303,11 +323,11 @@ def _producer(q_desc, k_desc, v_desc, Q, K, V, q_smem, k_smem, v_smem, bars, CU_
         kvh = h // GROUP
         kd, kv_row, kv_col = _rows_source(k_desc, K, b, kvh, k_seq0, seqlen_k, SEQLEN_K,
                                           stride_kb, stride_ks, stride_kh, BLOCK_N, HEAD_DIM,
-                                          KV_LAYOUT, DEVICE_DESC)
+                                          BLOCK_D, KV_LAYOUT, DEVICE_DESC)
         _load_tile(kd, k_smem, k_full, k_empty, 0, kv_row, kv_col, BLOCK_N, NUM_STAGES)
         vd, kv_row, kv_col = _rows_source(v_desc, V, b, kvh, k_seq0, seqlen_k, SEQLEN_K,
                                           stride_vb, stride_vs, stride_vh, BLOCK_N, HEAD_DIM,
-                                          KV_LAYOUT, DEVICE_DESC)
+                                          BLOCK_D, KV_LAYOUT, DEVICE_DESC)
         for t in range(n_tiles - 1):
             _load_tile(kd, k_smem, k_full, k_empty, t + 1, kv_row, kv_col, BLOCK_N, NUM_STAGES)
             _load_tile(vd, v_smem, v_full, v_empty, t, kv_row, kv_col, BLOCK_N, NUM_STAGES)
@@ -320,8 +340,8 @@ def _consumer(q_smem, k_smem, v_smem, bars, o_desc, O, LSE, CU_Q, CU_K, Q_START,
               stride_ob, stride_os, stride_oh, stride_lb, stride_ls, stride_lh, qk_scale,
               SEQLEN_Q, SEQLEN_K, MAX_SEQLEN_Q, H_Q, WG: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-              NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, VARLEN: gl.constexpr,
-              DEVICE_DESC: gl.constexpr, Q_START_IS_TENSOR: gl.constexpr,
+              BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+              VARLEN: gl.constexpr, DEVICE_DESC: gl.constexpr, Q_START_IS_TENSOR: gl.constexpr,
               K_START_IS_TENSOR: gl.constexpr, ACCUMULATE: gl.constexpr,
               Q_LAYOUT: gl.constexpr):
     """One warpgroup: query rows WG * 64 .. WG * 64 + 63 of the program's tile."""
@@ -335,13 +355,13 @@ def _consumer(q_smem, k_smem, v_smem, bars, o_desc, O, LSE, CU_Q, CU_K, Q_START,
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
+                                                       instr_shape=[16, BLOCK_D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     m_i = gl.full([ROWS], float("-inf"), gl.float32, row_s)
     l_i = gl.zeros([ROWS], gl.float32, row_s)
-    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
+    acc = gl.zeros([ROWS, BLOCK_D], gl.float32, o_layout)
     q = q_smem.index(WG)
     row0 = m0 + WG * ROWS  # this warpgroup's first row in the sequence
     if not ACCUMULATE:
@@ -349,7 +369,7 @@ def _consumer(q_smem, k_smem, v_smem, bars, o_desc, O, LSE, CU_Q, CU_K, Q_START,
         # with no rows gets a 1-row descriptor that is never used)
         od, o_row, o_col = _rows_source(o_desc, O, b, h, q_seq0, gl.maximum(seqlen_q, 1),
                                         SEQLEN_Q, stride_ob, stride_os, stride_oh, ROWS, HEAD_DIM,
-                                        Q_LAYOUT, DEVICE_DESC)
+                                        BLOCK_D, Q_LAYOUT, DEVICE_DESC)
 
     if n_tiles > 0:
         s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
@@ -392,7 +412,7 @@ def _consumer(q_smem, k_smem, v_smem, bars, o_desc, O, LSE, CU_Q, CU_K, Q_START,
             _merge_into_state(acc, gl.convert_layout(lse, row_o),
                               row0 + gl.arange(0, ROWS, layout=row_o), O, LSE, b, h, seqlen_q,
                               stride_ob, stride_os, stride_oh, stride_lb, stride_ls, stride_lh,
-                              HEAD_DIM, o_layout)
+                              HEAD_DIM, BLOCK_D, o_layout)
         else:
             rows = row0 + gl.arange(0, ROWS, layout=row_s)
             l_ptrs = (LSE + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
@@ -427,6 +447,7 @@ def _attn_fwd_hopper_kernel(
     MAX_SEQLEN_Q,             # sizes the grid: cdiv(MAX_SEQLEN_Q, BLOCK_M) query tiles per head
     H_Q, GROUP,               # query heads, Hq // Hkv
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+    BLOCK_D: gl.constexpr,    # HEAD_DIM's tile: the next power of two (device descriptors pad it)
     NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, ACCUMULATE: gl.constexpr,
     VARLEN: gl.constexpr, DEVICE_DESC: gl.constexpr,
     Q_START_IS_TENSOR: gl.constexpr, K_START_IS_TENSOR: gl.constexpr,
@@ -436,10 +457,12 @@ def _attn_fwd_hopper_kernel(
     """grid = (B * Hq * cdiv(MAX_SEQLEN_Q, BLOCK_M),), num_warps = 4 (the default partition =
     consumer 0)."""
     gl.static_assert(BLOCK_M == 128)
+    # host descriptors over [B * S, H * D] would read the next head's columns into the padding
+    gl.static_assert(DEVICE_DESC or HEAD_DIM == BLOCK_D)
     dtype: gl.constexpr = Q.dtype.element_ty
-    q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M // 2, HEAD_DIM], Q_LAYOUT)
-    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], KV_LAYOUT)
-    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], KV_LAYOUT)
+    q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M // 2, BLOCK_D], Q_LAYOUT)
+    k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, BLOCK_D], KV_LAYOUT)
+    v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, BLOCK_D], KV_LAYOUT)
     q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_full = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -458,18 +481,18 @@ def _attn_fwd_hopper_kernel(
         (_consumer, (q_smem, k_smem, v_smem, bars, o_desc, O, LSE, CU_Q, CU_K, Q_START, K_START,
                      stride_ob, stride_os, stride_oh, stride_lb, stride_ls, stride_lh, qk_scale,
                      SEQLEN_Q, SEQLEN_K, MAX_SEQLEN_Q, H_Q, 0, BLOCK_M, BLOCK_N, HEAD_DIM,
-                     NUM_STAGES, CAUSAL, VARLEN, DEVICE_DESC, Q_START_IS_TENSOR,
+                     BLOCK_D, NUM_STAGES, CAUSAL, VARLEN, DEVICE_DESC, Q_START_IS_TENSOR,
                      K_START_IS_TENSOR, ACCUMULATE, Q_LAYOUT)),
         (_consumer, (q_smem, k_smem, v_smem, bars, o_desc, O, LSE, CU_Q, CU_K, Q_START, K_START,
                      stride_ob, stride_os, stride_oh, stride_lb, stride_ls, stride_lh, qk_scale,
                      SEQLEN_Q, SEQLEN_K, MAX_SEQLEN_Q, H_Q, 1, BLOCK_M, BLOCK_N, HEAD_DIM,
-                     NUM_STAGES, CAUSAL, VARLEN, DEVICE_DESC, Q_START_IS_TENSOR,
+                     BLOCK_D, NUM_STAGES, CAUSAL, VARLEN, DEVICE_DESC, Q_START_IS_TENSOR,
                      K_START_IS_TENSOR, ACCUMULATE, Q_LAYOUT)),
         (_producer, (q_desc, k_desc, v_desc, Q, K, V, q_smem, k_smem, v_smem, bars, CU_Q, CU_K,
                      Q_START, K_START, stride_qb, stride_qs, stride_qh, stride_kb, stride_ks,
                      stride_kh, stride_vb, stride_vs, stride_vh, SEQLEN_Q, SEQLEN_K,
-                     MAX_SEQLEN_Q, H_Q, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, CAUSAL,
-                     VARLEN, DEVICE_DESC, Q_START_IS_TENSOR, K_START_IS_TENSOR, Q_LAYOUT,
+                     MAX_SEQLEN_Q, H_Q, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, NUM_STAGES,
+                     CAUSAL, VARLEN, DEVICE_DESC, Q_START_IS_TENSOR, K_START_IS_TENSOR, Q_LAYOUT,
                      KV_LAYOUT)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -487,6 +510,8 @@ def descriptor_mode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, varlen: b
                for x in (q, k, v)):
         return "device"
     batch, sq, _, d = q.shape
+    if d != next_power_of_2(d):  # a padded tile would read the next head's columns
+        return "device"
     if batch == 1 or (sq % BLOCK_M == 0 and k.shape[1] % block_n(d) == 0):
         return "host"
     return "device"
@@ -582,9 +607,9 @@ def launch_args(
             out = None
             l_strides = lse.stride()  # [B, Sq, Hq]: (batch, seq, head)
         o_strides = o.stride()[:3]
-    bn = block_n(d)
+    bn, bd = block_n(d), next_power_of_2(d)
     host = mode == "host"
-    q_layout, kv_layout = _smem_layout(WG_ROWS, d, q.dtype), _smem_layout(bn, d, q.dtype)
+    q_layout, kv_layout = _smem_layout(WG_ROWS, bd, q.dtype), _smem_layout(bn, bd, q.dtype)
     descs = ((_rows_desc(q, WG_ROWS), _rows_desc(k, bn), _rows_desc(v, bn),
               _rows_desc(o, WG_ROWS) if accumulate is None else None) if host
              else (None, None, None, None))
@@ -592,7 +617,7 @@ def launch_args(
     args = (q, k, v, o, lse, qs, ks, cu_seqlens_q, cu_seqlens_k, *descs,
             sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, *o_strides, *l_strides,
             float(softmax_scale) * _LOG2E, sq, sk, max_seqlen_q, hq, hq // hkv)
-    meta = dict(BLOCK_M=BLOCK_M, BLOCK_N=bn, HEAD_DIM=d, NUM_STAGES=NUM_STAGES,
+    meta = dict(BLOCK_M=BLOCK_M, BLOCK_N=bn, HEAD_DIM=d, BLOCK_D=bd, NUM_STAGES=NUM_STAGES,
                 CAUSAL=bool(causal), ACCUMULATE=accumulate is not None, VARLEN=varlen,
                 DEVICE_DESC=not host, Q_START_IS_TENSOR=qs_t, K_START_IS_TENSOR=ks_t,
                 Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout,
@@ -673,9 +698,9 @@ def hopper_attention_fwd(
     Varlen: q [total_q, Hq, D], k/v [total_k, Hkv, D], cu_seqlens_q/k int32 [B + 1] on q's
             device, max_seqlen_q a python int >= every sequence's query length
             -> o [total_q, Hq, D], lse [Hq, total_q].
-    bf16 or fp16, D in HEAD_DIMS, on an sm_90 GPU; causal: row i sees key j iff
-    k_start + j <= q_start + i (ints or [B] int tensors); rows that see no key get O = 0 and
-    LSE = -inf.
+    bf16 or fp16, D a multiple of 8 whose tile (the next power of two) is in HEAD_DIMS, on an
+    sm_90 GPU; causal: row i sees key j iff k_start + j <= q_start + i (ints or [B] int
+    tensors); rows that see no key get O = 0 and LSE = -inf.
 
     Only for the inputs that `longctx.kernels.prefill.hopper_kernel_applies` accepts (TMA-
     addressable rows, see the module docstring); the launch does not re-check them. mode:

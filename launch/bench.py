@@ -4,6 +4,8 @@
     python launch/bench.py case=prefill           # prefill TFLOPS (bf16, D=128)
     python launch/bench.py case=prefill prefill_table=issue22   # issue 22's table (odd lengths,
                                                   # 3 head layouts, D=64/256, varlen)
+    python launch/bench.py case=prefill prefill_table=head_dims # D=96/192/128/256 rows
+    python launch/bench.py case=decode decode_table=head_dims   # D=96/192/128 rows
     python launch/bench.py case=decode decode.shapes='[[1,65536]]' tag=h100
 
 Needs a CUDA GPU. Every number is a median of `bench_ms` (each repetition starts with a cold,
@@ -183,14 +185,23 @@ def decode_peers(q, k_t, v_t):
     }
 
 
+def decode_plan(c: DictConfig) -> list[tuple[int, int, int]]:
+    """(head_dim, batch, kv length) of every decode row: `shapes` at head_dim, then the
+    extra_head_dims rows."""
+    plan = [(c.head_dim, B, N) for B, N in c.shapes]
+    for d, shapes in (c.get("extra_head_dims") or {}).items():
+        plan += [(int(d), B, N) for B, N in shapes]
+    return plan
+
+
 def run_decode(cfg: DictConfig) -> dict:
     c = cfg.decode
     dtype = DTYPES[c.dtype]
     bw = read_bandwidth()
     print(f"HBM read bandwidth (streaming read kernel, 4 GiB): {bw / 1e12:.2f} TB/s")
     rows = []
-    for B, N in c.shapes:
-        Hq, Hkv, D = c.q_heads, c.kv_heads, c.head_dim
+    for D, B, N in decode_plan(c):
+        Hq, Hkv = c.q_heads, c.kv_heads
         q = torch.randn(B, Hq, D, device="cuda", dtype=dtype)
         k = torch.randn(B, N, Hkv, D, device="cuda", dtype=dtype)
         v = torch.randn(B, N, Hkv, D, device="cuda", dtype=dtype)
@@ -205,7 +216,7 @@ def run_decode(cfg: DictConfig) -> dict:
             q[:, :, None].float(), k.float().transpose(1, 2), v.float().transpose(1, 2),
             enable_gqa=True)[:, :, 0]
         err = (ours().float() - ref).abs().max().item()
-        row = {"batch": B, "seq_len": N, "kv_bytes": kv_bytes, "floor_us": floor_us,
+        row = {"head_dim": D, "batch": B, "seq_len": N, "kv_bytes": kv_bytes, "floor_us": floor_us,
                "longctx_us": bench_ms(ours, cfg.warmup_ms, cfg.rep_ms) * 1e3, "longctx_max_err": err}
         if c.cuda_graph:
             row["longctx_graph_us"] = graph_ms(ours, cfg.warmup_ms, cfg.rep_ms) * 1e3
@@ -233,14 +244,15 @@ def best_us(r: dict, name: str) -> float | None:
 def print_row_decode(r: dict, peers, header: bool) -> None:
     if header:
         print("(µs, each the faster of eager and CUDA-graph replay; %floor and speedup use longctx's)")
-        print(f"{'B':>4} {'N':>7} {'floor':>7} {'eager':>8} {'graph':>7} {'%floor':>6} "
+        print(f"{'D':>3} {'B':>4} {'N':>7} {'floor':>7} {'eager':>8} {'graph':>7} {'%floor':>6} "
               + " ".join(f"{p:>10}" for p in peers) + f" {'vs best':>7} {'err':>8}")
     best_t = [best_us(r, p) for p in peers if best_us(r, p)]
     t = best_us(r, "longctx")
     best = min(best_t) if best_t else math.nan
     peers_s = " ".join(f"{best_us(r, p):>10.1f}" if best_us(r, p) else f"{'n/a':>10}"
                        for p in peers)
-    print(f"{r['batch']:>4} {r['seq_len']:>7} {r['floor_us']:>7.1f} {r['longctx_us']:>8.1f} "
+    print(f"{r.get('head_dim', 128):>3} {r['batch']:>4} {r['seq_len']:>7} {r['floor_us']:>7.1f} "
+          f"{r['longctx_us']:>8.1f} "
           f"{r.get('longctx_graph_us', math.nan):>7.1f} {100 * r['floor_us'] / t:>5.0f}% "
           f"{peers_s} {best / t:>6.2f}x {r['longctx_max_err']:>8.1e}")
 
@@ -373,10 +385,10 @@ def flex_fn(t: tuple[torch.Tensor, ...], causal: bool) -> Callable[[], torch.Ten
     return lambda: compiled(qt, kt, vt, block_mask=mask, enable_gqa=True)
 
 
-def run_prefill(cfg: DictConfig) -> dict:
-    """The dense table (heads x seq_lens x causal at head_dim, then the extra_head_dims rows)
-    and the varlen rows (cfg.prefill.varlen: num_seqs random lengths summing to total)."""
-    c = cfg.prefill
+def prefill_plan(c: DictConfig) -> list[tuple[int, int, int, list[int], bool, bool]]:
+    """(q heads, kv heads, head_dim, lengths, causal, varlen) of every prefill row: the dense
+    table (heads x seq_lens x causal at head_dim, then the extra_head_dims rows) and the varlen
+    rows (c.varlen: num_seqs random lengths summing to total)."""
     plan = [(hq, hkv, c.head_dim, [n] * c.batch, causal, False)
             for hq, hkv in c.heads for n in c.seq_lens for causal in c.causal]
     for d, lens in (c.get("extra_head_dims") or {}).items():
@@ -384,9 +396,18 @@ def run_prefill(cfg: DictConfig) -> dict:
                  for hq, hkv in c.heads for n in lens for causal in c.causal]
     if c.get("varlen"):
         lens = varlen_lengths(c.varlen.total, c.varlen.num_seqs, c.varlen.seed)
-        print(f"varlen rows: {len(lens)} sequences {lens} (total {sum(lens)})")
         plan += [(hq, hkv, c.head_dim, lens, causal, True) for hq, hkv in c.heads
                  for causal in c.causal]
+    return plan
+
+
+def run_prefill(cfg: DictConfig) -> dict:
+    """The rows of `prefill_plan`."""
+    c = cfg.prefill
+    plan = prefill_plan(c)
+    if c.get("varlen"):
+        lens = plan[-1][3]
+        print(f"varlen rows: {len(lens)} sequences {lens} (total {sum(lens)})")
     rows = []
     for hq, hkv, d, lens, causal, varlen in plan:
         rows.append(prefill_row(cfg, hq, hkv, d, lens, causal, varlen))
@@ -431,13 +452,19 @@ def plot(case: str, result: dict, peers, path: Path) -> None:
     rows = result["rows"]
     fig, ax = plt.subplots(figsize=(8, 5))
     if case == "decode":
-        x = [r["seq_len"] for r in rows]
-        ax.plot(x, [r["floor_us"] for r in rows], "k--", label="floor (KV bytes / read BW)")
-        ax.plot(x, [r["longctx_us"] for r in rows], "o-", label="longctx")
-        if "longctx_graph_us" in rows[0]:
-            ax.plot(x, [r["longctx_graph_us"] for r in rows], "o-", label="longctx (CUDA graph)")
-        for p in peers:
-            ax.plot(x, [best_us(r, p) or float("nan") for r in rows], ".-", label=p)
+        dims = sorted({r.get("head_dim", 128) for r in rows})
+        for d in dims:  # one set of lines per head_dim
+            rs = [r for r in rows if r.get("head_dim", 128) == d]
+            tag = f" D={d}" if len(dims) > 1 else ""
+            x = [r["seq_len"] for r in rs]
+            ax.plot(x, [r["floor_us"] for r in rs], "k--",
+                    label=f"floor (KV bytes / read BW){tag}")
+            ax.plot(x, [r["longctx_us"] for r in rs], "o-", label=f"longctx{tag}")
+            if "longctx_graph_us" in rs[0]:
+                ax.plot(x, [r["longctx_graph_us"] for r in rs], "o-",
+                        label=f"longctx (CUDA graph){tag}")
+            for p in peers:
+                ax.plot(x, [best_us(r, p) or float("nan") for r in rs], ".-", label=f"{p}{tag}")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("KV length N (batch = 65536 / N, min 1)")
         ax.set_ylabel("latency (µs)")

@@ -62,7 +62,8 @@ def attention(
     """Softmax attention of q over k/v, optionally returning the state's log-sum-exp.
 
     Args:
-        q: [B, Sq, Hq, D] float16/bfloat16/float32 (float64 on CPU); varlen: [total_q, Hq, D].
+        q: [B, Sq, Hq, D] float16/bfloat16/float32 (float64 on CPU); varlen: [total_q, Hq, D];
+            D (head_dim) a multiple of 8 in [16, 256].
         k, v: [B, Sk, Hkv, D] (varlen: [total_k, Hkv, D]), same dtype and device as q;
             Hq % Hkv == 0 (GQA, MQA: KV heads are never repeated in memory).
         causal: mask by absolute positions: query q_start+i sees key k_start+j iff

@@ -125,7 +125,8 @@ def decode(
     """Decode attention (Flash-Decoding): each sequence's one query token over its KV cache.
 
     Args:
-        q: [B, Hq, D] or [B, 1, Hq, D], float16/bfloat16/float32 (float64 on CPU).
+        q: [B, Hq, D] or [B, 1, Hq, D], float16/bfloat16/float32 (float64 on CPU); D
+            (head_dim) a multiple of 8 in [16, 256].
         k_cache, v_cache: contiguous [B, S_max, Hkv, D], or paged [num_pages, page_size, Hkv, D]
             with `block_table`; same dtype/device as q; Hq % Hkv == 0.
         cache_seqlens: [B] int32, valid length of each sequence (0 allowed). Default: the full

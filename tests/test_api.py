@@ -34,7 +34,7 @@ def _qkv(Sq=4, Sk=5, Hq=4, Hkv=2, D=32, dtype=torch.float32):
     (lambda q, k, v: (q, k[:1], v[:1]), "batch"),
     (lambda q, k, v: (q[:, :, :3], k, v), "multiple of"),
     (lambda q, k, v: (q.int(), k.int(), v.int()), "q must be one of"),
-    (lambda q, k, v: (q[..., :24], k[..., :24], v[..., :24]), "power of two"),
+    (lambda q, k, v: (q[..., :20], k[..., :20], v[..., :20]), r"head_dim\) must be a multiple"),
     (lambda q, k, v: (q, k.to("meta"), v.to("meta")), "k is on meta"),
 ])
 def test_attention_rejects_bad_input(mutate, match):

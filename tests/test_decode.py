@@ -81,6 +81,29 @@ def test_decode_kernel_matches_reference(case, paged, num_splits, device):
     torch.testing.assert_close(lse[~empty].to(F64), lse_ref[~empty], rtol=0, atol=2e-3)
 
 
+@pytest.mark.parametrize("D", [40, 96])
+def test_decode_head_dim_not_power_of_two(D, device):
+    """longctx.decode at a head_dim that is not a power of two (Phi-3's 96; 40), paged and
+    contiguous, GQA group 5, an empty sequence: the kernel within 2x of plain fp16, and the CPU
+    reference path."""
+    B, S, Hq, Hkv, dtype = 2, 64, 10, 2, torch.float16
+    seqlens = torch.tensor([37, 0], dtype=torch.int32, device=device)
+    q = torch.randn(B, Hq, D, dtype=dtype, device=device)
+    k, v = _cache(B, S, Hkv, D, dtype, device)
+    o_ref, _ = _ref(q, k, v, seqlens)
+    bar = _plain_torch_error(q, k, v, seqlens, o_ref)
+    kc, vc, table = _paginate(k, v, 16, seqlens)
+    for args in ((k, v, None), (kc, vc, table)):
+        with force_triton(device == "cpu"):
+            o = longctx.decode(q, *args[:2], cache_seqlens=seqlens, block_table=args[2])
+        assert o.shape == q.shape and (o[1] == 0).all()
+        err = (o.to(F64) - o_ref).abs().max().item()
+        assert err <= 2 * bar + 1e-4, f"kernel error {err:.2e} vs plain fp16 {bar:.2e}"
+    if device == "cpu":
+        o = longctx.decode(q, kc, vc, cache_seqlens=seqlens, block_table=table)
+        assert (o.to(F64) - o_ref).abs().max().item() <= bar + 1e-4
+
+
 def test_decode_fp32_and_4d_query(device):
     B, S, Hq, Hkv, D = 2, 300, 6, 2, 64
     q = torch.randn(B, 1, Hq, D, device=device)
@@ -121,7 +144,8 @@ def _args():
     (lambda q, k, v: (q, k, v[:, :16]), {}, "k_cache and v_cache"),
     (lambda q, k, v: (q, k.half(), v.half()), {}, "k_cache has dtype"),
     (lambda q, k, v: (q[:, :3], k, v), {}, "multiple of"),
-    (lambda q, k, v: (q[..., :48], k[..., :48], v[..., :48]), {}, "head_dim"),
+    (lambda q, k, v: (q[..., :44], k[..., :44], v[..., :44]), {}, r"head_dim\) must be a multiple"),
+    (lambda q, k, v: (q[..., :8], k[..., :8], v[..., :8]), {}, r"multiple of 8 in \[16, 256\]"),
     (lambda q, k, v: (q, k, v), {"cache_seqlens": torch.tensor([1, 2])}, "cache_seqlens must be an int32"),
     (lambda q, k, v: (q, k, v), {"cache_seqlens": torch.tensor([1, 33], dtype=torch.int32)},
      r"cache_seqlens\[1\] = 33 is outside"),
@@ -142,7 +166,7 @@ def test_decode_rejects_bad_input(mutate, kw, match):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("D", [64, 128, 256, 96, 192])
 @pytest.mark.parametrize("paged", [False, True])
 def test_decode_gpu_error_within_2x_of_torch(dtype, D, paged):
     B, S, Hq, Hkv = 4, 8192, 24, 8  # group 3

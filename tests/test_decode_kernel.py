@@ -191,6 +191,51 @@ def test_fused_merge(case, num_splits, dtype):
     kernel's output up to the order of its sums (they load different numbers of splits at
     once), within the tolerance of the float64 reference, and leaves its arrival counters
     zero, so the next launch can reuse them."""
+    run_fused_merge(case, num_splits, dtype)
+
+
+# head_dims that are not powers of two: tiles of the next one, the padding columns masked.
+# (seqlens, Hkv, G, D, page size or None); GQA 5 and 3, empty and 1-key sequences.
+ODD_HEAD_DIM_CASES = [
+    ([100, 0, 1], 1, 5, 96, None),
+    ([17, 40], 2, 3, 40, None),
+    ([70, 1, 0], 1, 5, 80, 16),
+    ([45], 1, 3, 192, 32),
+    ([33, 70], 1, 3, 72, 16),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("num_splits", [1, 6])  # 6: more splits than any sequence's key blocks
+@pytest.mark.parametrize("case", ODD_HEAD_DIM_CASES,
+                         ids=lambda c: f"L{c[0]}-hkv{c[1]}-g{c[2]}-d{c[3]}-ps{c[4]}")
+def test_head_dim_not_power_of_two(case, num_splits, dtype):
+    """Every split's state (empty splits exactly empty) and their merge against float64,
+    contiguous and paged caches."""
+    lens, Hkv, G, D, ps = case
+    gen = torch.Generator().manual_seed(hash((tuple(lens), num_splits, D)) % 2**31)
+    B, S = len(lens), max(lens) + 3
+    q, k_log, v_log = make_inputs(B, Hkv, G, D, S, dtype, gen)
+    seqlens = torch.tensor(lens, dtype=torch.int32)
+    if ps is None:
+        check(q, k_log, v_log, seqlens, None, D ** -0.5, num_splits, k_log, v_log, dtype)
+    else:
+        k, v, bt = make_paged(k_log, v_log, ps, gen)
+        check(q, k, v, seqlens, bt, D ** -0.5, num_splits, gather_logical(k, bt, S),
+              gather_logical(v, bt, S), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("num_splits", [2, 5])
+@pytest.mark.parametrize("case", [ODD_HEAD_DIM_CASES[0], ODD_HEAD_DIM_CASES[4]],
+                         ids=lambda c: f"L{c[0]}-hkv{c[1]}-g{c[2]}-d{c[3]}-ps{c[4]}")
+def test_fused_merge_head_dim_not_power_of_two(case, num_splits, dtype):
+    """`test_fused_merge` at head_dims 96 and 72 (5 splits: more than the key blocks)."""
+    run_fused_merge(case, num_splits, dtype)
+
+
+def run_fused_merge(case, num_splits, dtype):
+    """`test_fused_merge` for one case: (seqlens, Hkv, G, D, page size or None)."""
     lens, Hkv, G, D, ps = case
     gen = torch.Generator().manual_seed(hash((tuple(lens), num_splits, G)) % 2**31)
     B, S = len(lens), max(lens) + 3

@@ -25,11 +25,7 @@ def test_bench_without_cuda_says_so(tmp_path: Path, case: str) -> None:
 def test_interleaved_ms_takes_turns(monkeypatch: pytest.MonkeyPatch) -> None:
     """A prefill row's implementations are timed in turns, round after round (so that a drift of
     the GPU's clocks meets them alike), each name getting its rounds' times sorted."""
-    sys.path.insert(0, str(ROOT / "launch"))
-    try:
-        import bench
-    finally:
-        sys.path.remove(str(ROOT / "launch"))
+    bench = _bench_module()
     calls: list[str] = []
     fake = iter([5.0, 1.0, 3.0, 2.0, 4.0, 0.5])
 
@@ -41,3 +37,37 @@ def test_interleaved_ms_takes_turns(monkeypatch: pytest.MonkeyPatch) -> None:
     out = bench.interleaved_ms({"a": lambda: "a", "b": lambda: "b"}, rounds=3)
     assert calls == ["a", "b"] * 3
     assert out == {"a": [3.0, 4.0, 5.0], "b": [0.5, 1.0, 2.0]}
+
+
+def _bench_module():
+    """launch/bench.py as a module."""
+    sys.path.insert(0, str(ROOT / "launch"))
+    try:
+        import bench
+    finally:
+        sys.path.remove(str(ROOT / "launch"))
+    return bench
+
+
+def _compose(*overrides: str):
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        return compose(config_name="bench", overrides=list(overrides))
+
+
+def test_head_dim_tables_plan_their_rows() -> None:
+    """decode_table=head_dims and prefill_table=head_dims: rows at head_dim 96, 192 and those of
+    their tiles with cuDNN among the peers; the default tables keep their single head_dim (decode) and rows."""
+    bench = _bench_module()
+    cfg = _compose("decode_table=head_dims", "prefill_table=head_dims")
+    shapes = [(64, 1024), (8, 8192), (1, 65536), (1, 262144)]
+    assert bench.decode_plan(cfg.decode) == [(d, b, n) for d in (96, 192, 128) for b, n in shapes]
+    assert "sdpa_cudnn" in cfg.decode.peers and "sdpa_cudnn" in cfg.prefill.peers
+    plan = bench.prefill_plan(cfg.prefill)
+    assert [(d, hq, hkv, causal) for hq, hkv, d, _, causal, _ in plan] == [
+        (d, 32, 32, causal) for d in (96, 192, 128, 256) for causal in (True, False)]
+    assert all(lens == [16384] and not varlen for _, _, _, lens, _, varlen in plan)
+    default = _compose()
+    assert bench.decode_plan(default.decode) == [(128, b, n) for b, n in default.decode.shapes]
+    assert len(bench.prefill_plan(default.prefill)) == 2 * 3 * 2

@@ -132,7 +132,7 @@ def _states(P, rows, H, D, dtype, empty_frac=0.3, device="cpu"):
 
 @pytest.mark.parametrize("P", [1, 3, 9, 70])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("D", [64, 128, 40, 96])  # 40: a head_dim chunk of 32 partly masked
 def test_merge_kernel_matches_torch(P, dtype, D, device):
     """Empty parts' O holds NaN: the kernel loads it (beside its LSE) but must not use it."""
     o, lse = _states(P, 3, 5, D, dtype, device=device)
@@ -147,7 +147,8 @@ def test_merge_kernel_matches_torch(P, dtype, D, device):
     assert torch.equal(ko[0, 0], torch.zeros_like(ko[0, 0])) and torch.isneginf(klse[0, 0])
 
 
-@pytest.mark.parametrize("B,S,H,D", [(1, 4, 3, 64), (1, 37, 5, 128), (2, 19, 4, 64)])
+@pytest.mark.parametrize("B,S,H,D", [(1, 4, 3, 64), (1, 37, 5, 128), (2, 19, 4, 64),
+                                     (1, 37, 5, 96), (2, 19, 3, 40)])  # head_dim tiles padded
 def test_merge_into_kernel_matches_torch(B, S, H, D, device):
     """Rows not a multiple of the kernel's row tile, empty accumulator rows and parts, and the
     ring's LSE layout: a [B, S, H] transpose of attention's [B, H, S] (a view when B = 1)."""

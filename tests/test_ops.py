@@ -49,10 +49,13 @@ def _rope_fp64(x, cos, sin, pos):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, *HALF])
-@pytest.mark.parametrize("B,S,H,D,decode", [(2, 5, 3, 64, False), (3, 1, 20, 128, True)])
+@pytest.mark.parametrize("B,S,H,D,decode", [(2, 5, 3, 64, False), (3, 1, 20, 128, True),
+                                            (2, 5, 3, 96, False), (3, 1, 5, 40, True),
+                                            (1, 3, 2, 24, False)])
 def test_rope(dtype, B, S, H, D, decode, device):
     """rope_ rotates in place a strided view (the q and k heads of a fused projection, as the
-    model passes them) and leaves the other heads alone, on both paths."""
+    model passes them) and leaves the other heads alone, on both paths; head_dims whose halves
+    (48, 20, 12) are not powers of two too."""
     cos, sin = ops.rope_tables(64, D, 10000.0, torch.device(device))
     qkv = torch.randn(B, S, H + 2, D, device=device).to(dtype)  # two trailing "v" heads
     if decode:  # one position per sequence, as decode_step passes them
@@ -85,9 +88,9 @@ def test_silu_mul(dtype, device):
     torch.testing.assert_close(got.float(), want.float(), **_tol(dtype))
 
 
-@pytest.mark.parametrize("H", [1, 3, 8])
-def test_store_kv(H, device):
-    B, S_max, D = 3, 9, 32
+@pytest.mark.parametrize("H,D", [(1, 32), (3, 32), (8, 32), (3, 40), (2, 96)])
+def test_store_kv(H, D, device):
+    B, S_max = 3, 9
     kv = torch.randn(B, 1, 4 + 2 * H, D, device=device, dtype=torch.float16)
     k, v = kv[:, 0, 4:4 + H], kv[:, 0, 4 + H:]  # strided views of a fused projection
     slot = torch.tensor([0, 8, 5], device=device)
@@ -132,14 +135,15 @@ def _rope_store(how, qkv, kc, vc, cos, sin, pos, slot):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, *HALF])
-@pytest.mark.parametrize("hq,hkv", [(2, 2), (6, 2), (3, 1), (20, 4)])  # GQA 1, 3, 3, 5
-def test_rope_store_kv(dtype, hq, hkv, device):
+@pytest.mark.parametrize("hq,hkv,D", [(2, 2, 32), (6, 2, 32), (3, 1, 32), (20, 4, 32),
+                                      (20, 4, 96), (6, 2, 40), (5, 5, 24)])  # GQA 1, 3, 3, 5
+def test_rope_store_kv(dtype, hq, hkv, D, device):
     """The decode step's fused RoPE + KV store gives the bits of the rope_ and store_kv kernels
     and of the torch path (on CUDA torch may round differently: FMA contraction), for ragged
     positions (table rows 0 and last) and slots (0 and S_max - 1); q and k are rotated in
     place, v is left alone, and only each sequence's slot of the caches changes. 20 q heads:
-    two blocks of 16."""
-    B, D, S_max, T = 4, 32, 9, 40
+    two blocks of 16. head_dim 96, 40, 24: half-heads of 48, 20, 12 columns, padded."""
+    B, S_max, T = 4, 9, 40
     cos, sin = ops.rope_tables(T, D, 10000.0, torch.device(device))
     qkv, kc, vc = _rope_store_case(B, hq, hkv, D, S_max, dtype, device)
     pos = torch.tensor([0, T - 1, 17, 5], device=device)
@@ -196,12 +200,14 @@ def test_rope_store_kv_rejects_bad_shapes():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("hq,hkv", [(64, 8), (32, 4), (24, 8), (8, 1)])
-def test_rope_store_kv_gpu_bf16(hq, hkv):
-    """bf16 on CUDA at model sizes (CodeLlama-34B's heads, its tp=2 and tp=8 shards, GQA 3):
-    the fused kernel gives the bits of the rope_ and store_kv kernels, and its q/k error
-    against float64 is at most twice that of the torch path in bf16."""
-    B, D, S_max, T = 5, 128, 4096, 8192
+@pytest.mark.parametrize("hq,hkv,D", [(64, 8, 128), (32, 4, 128), (24, 8, 128), (8, 1, 128),
+                                      (32, 32, 96), (16, 4, 192)])
+def test_rope_store_kv_gpu_bf16(hq, hkv, D):
+    """bf16 on CUDA at model sizes (CodeLlama-34B's heads, its tp=2 and tp=8 shards, GQA 3;
+    Phi-3's 32 heads of 96; head_dim 192): the fused kernel gives the bits of the rope_ and
+    store_kv kernels, and its q/k error against float64 is at most twice that of the torch
+    path in bf16."""
+    B, S_max, T = 5, 4096, 8192
     cos, sin = ops.rope_tables(T, D, 1e6, torch.device("cuda"))
     qkv, kc, vc = _rope_store_case(B, hq, hkv, D, S_max, torch.bfloat16, "cuda")
     pos = torch.tensor([0, T - 1, 4095, 123, 7000], device="cuda")

@@ -123,10 +123,32 @@ def test_head_dim_128(s: int, causal: bool, dtype: torch.dtype) -> None:
     run_dense(1, s, s, 2, 1, 128, dtype, causal, 0, 0)
 
 
-def test_head_dim_256_and_odd() -> None:
+def test_head_dim_256() -> None:
     torch.manual_seed(8)
     run_dense(1, 40, 70, 1, 1, 256, torch.float32, True, 30, 0)
-    run_dense(1, 40, 70, 2, 1, 80, torch.float32, True, 30, 0)  # non power-of-two D (masked d)
+
+
+# head_dims that are not powers of two: tiles of the next power of two, whose padding columns
+# the tensor descriptors read as 0 and never store (and the accumulating epilogue masks)
+ODD_HEAD_DIMS = [24, 40, 72, 80, 96, 192]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32] + HALF)
+@pytest.mark.parametrize("d", ODD_HEAD_DIMS)
+def test_head_dim_not_power_of_two(d: int, dtype: torch.dtype) -> None:
+    """Causal queries after a cached prefix (ragged tiles, tensor offsets with an all-empty
+    sequence) with GQA group 3, and unmasked with GQA group 5."""
+    torch.manual_seed(d)
+    run_dense(2, 37, 70, 3, 1, d, dtype, True, [33, 0], [0, 50])
+    run_dense(1, 45, 29, 5, 1, d, dtype, False, 0, 0)
+
+
+@pytest.mark.parametrize("d", [40, 96, 192])
+def test_head_dim_not_power_of_two_varlen(d: int) -> None:
+    """Varlen chunked prefill at a padded head_dim: a 1-row, a 0-row and a ragged sequence."""
+    torch.manual_seed(d + 1)
+    run_varlen([1, 0, 37, 70], [20, 5, 37, 90], 4, 1, d, torch.float16, True, [19, 0, 0, 20],
+               0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32] + HALF)
@@ -209,11 +231,17 @@ def test_launch_config_table(monkeypatch: pytest.MonkeyPatch) -> None:
     assert launch_config(256, torch.float16, True, 64, 4096) == P._config_dict(P._D256, False)
     assert launch_config(128, torch.float32, True, 4096, 4096) == P._config_dict(P._FP32, False)
     assert launch_config(256, torch.float32, True, 4096, 4096) == P._config_dict(P._FP32_D256, False)
+    # a head_dim that is not a power of two: its tile's config
+    for d, dtype, cfg in ((96, torch.bfloat16, P._HALF), (192, torch.bfloat16, P._D256),
+                          (192, torch.float32, P._FP32_D256)):
+        assert launch_config(d, dtype, True, 4096, 4096) == P._config_dict(cfg, False)
 
 
 # Every config the launch table can choose, with the dtypes and head dims it chooses it for.
-TABLE = [(P._HALF, "half", (64, 128)), (P._HALF_SHORT_Q, "half", (64, 128)), (P._D256, "half", (256,)),
-         (P._FP32, "fp32", (64, 128)), (P._FP32_D256, "fp32", (256,))]
+# (A head_dim that is not a power of two takes its tile's config: one such per config.)
+TABLE = [(P._HALF, "half", (64, 128, 96)), (P._HALF_SHORT_Q, "half", (64, 128, 80)),
+         (P._D256, "half", (256, 192)), (P._FP32, "fp32", (64, 128, 40)),
+         (P._FP32_D256, "fp32", (256, 192))]
 assert {c for c, _, _ in TABLE} == set(LAUNCH_CONFIGS)
 
 
@@ -358,8 +386,21 @@ def test_accumulate_chunks(causal: bool, dtype: torch.dtype, m_fastest: bool) ->
     offsets. Causal: sequence 1's first rows see no key at all (they stay empty) and its last
     chunk lies entirely in its queries' future. The accumulator starts as NaN with LSE -inf:
     the kernel must never read O where the state is empty."""
+    run_accumulate_chunks(causal, dtype, m_fastest, 64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32] + HALF)
+@pytest.mark.parametrize("d", [40, 96])
+def test_accumulate_chunks_head_dim_not_power_of_two(d: int, dtype: torch.dtype) -> None:
+    """The fused merge at a padded head_dim: the padding columns of the accumulator's rows are
+    the next heads' columns, so the epilogue must neither read nor write them."""
+    run_accumulate_chunks(True, dtype, False, d)
+
+
+def run_accumulate_chunks(causal: bool, dtype: torch.dtype, m_fastest: bool, d: int) -> None:
+    """`test_accumulate_chunks` at head_dim d."""
     torch.manual_seed(60)
-    b, sq, sk, hq, hkv, d, k0 = 2, 70, 150, 3, 1, 64, 10
+    b, sq, sk, hq, hkv, k0 = 2, 70, 150, 3, 1, 10
     q, k, v = rand(b, sq, hq, d, dtype=dtype), rand(b, sk, hkv, d, dtype=dtype), rand(b, sk, hkv, d, dtype=dtype)
     q_start = ints([40, 5], torch.int64)  # sequence 1: rows 0..4 precede key 0 (at position 10)
     kw = dict(softmax_scale=d ** -0.5, causal=causal, q_start=q_start)
@@ -447,10 +488,11 @@ def test_large_positions() -> None:
     assert torch.isneginf(lse[1]).all()
 
 
-def test_public_attention_dispatches_to_the_kernel() -> None:
+@pytest.mark.parametrize("d", [64, 96])
+def test_public_attention_dispatches_to_the_kernel(d: int) -> None:
     """longctx.attention on the Triton path (forced on CPU) agrees with the reference path."""
     torch.manual_seed(60)
-    q, k, v = rand(2, 33, 6, 64), rand(2, 47, 2, 64), rand(2, 47, 2, 64)
+    q, k, v = rand(2, 33, 6, d), rand(2, 47, 2, d), rand(2, 47, 2, d)
     with force_triton(DEV == "cpu"):
         o, lse = longctx.attention(q, k, v, causal=True, q_start=20, return_lse=True)
     ro, rlse = reference_attention(q.cpu(), k.cpu(), v.cpu(), causal=True, q_start=20,

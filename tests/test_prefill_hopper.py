@@ -103,6 +103,13 @@ ACCEPTED = [
     pytest.param(dict(q=(2, 8192, 8, 128), k=(2, 8192, 1, 128)), id="mqa-group-8"),
     pytest.param(dict(q=(2, 8192, 16, 64), k=(2, 8192, 2, 64)), id="head-dim-64"),
     pytest.param(dict(q=(2, 8192, 16, 256), k=(2, 8192, 2, 256)), id="head-dim-256"),
+    # not powers of two: padded to the tiles of 64, 128, 256
+    pytest.param(dict(q=(2, 8192, 32, 96), k=(2, 8192, 32, 96)), id="head-dim-96"),
+    pytest.param(dict(q=(2, 8192, 16, 192), k=(2, 8192, 2, 192)), id="head-dim-192"),
+    pytest.param(dict(q=(2, 8192, 16, 80), k=(2, 8192, 2, 80)), id="head-dim-80"),
+    pytest.param(dict(q=(2, 8192, 16, 40), k=(2, 8192, 2, 40)), id="head-dim-40"),
+    pytest.param(dict(causal=True, q=(1, 4096, 16, 248), k=(1, 4096, 2, 248)),
+                 id="head-dim-248-causal"),
     pytest.param(dict(q=(1, 8192, 16, 128), k=(1, 8192, 2, 128),
                       strides=((3 << 30, 2048, 128, 1), (5, 256, 128, 1), (7, 256, 128, 1))),
                  id="batch-1-any-batch-stride"),
@@ -122,8 +129,9 @@ DECLINED = [
     pytest.param(dict(config_given=True), id="config-override"),
     pytest.param(dict(dtypes=(torch.float32,) * 3), id="fp32"),
     pytest.param(dict(dtypes=(BF16, FP16, FP16)), id="mixed-dtypes"),
-    pytest.param(dict(q=(2, 8192, 16, 96), k=(2, 8192, 2, 96)), id="head-dim-96"),
     pytest.param(dict(q=(2, 8192, 16, 32), k=(2, 8192, 2, 32)), id="head-dim-32"),
+    pytest.param(dict(q=(2, 8192, 16, 24), k=(2, 8192, 2, 24)), id="head-dim-24-tile-32"),
+    pytest.param(dict(q=(2, 8192, 16, 100), k=(2, 8192, 2, 100)), id="head-dim-100-not-x8"),
     pytest.param(dict(q=(0, 8192, 16, 128), k=(0, 8192, 2, 128)), id="empty-batch"),
     pytest.param(dict(k=(2, 0, 2, 128)), id="no-keys"),
     pytest.param(dict(q=(2, 0, 16, 128)), id="no-queries"),
@@ -181,9 +189,9 @@ def test_hopper_kernel_applies_varlen_layout() -> None:
     kv = contiguous((65536, 2, 128))
     assert not varlen_call(65536, 65536, 8, strides=((16 * 132, 132, 1), kv, kv))
     assert not varlen_call(65536, 65536, 8, strides=((16 * 128 + 4, 128, 1), kv, kv))
-    q96, kv96 = (65536, 16, 96), (65536, 2, 96)
-    assert not call(q96, kv96, varlen=True, num_seqs=8,
-                    strides=(contiguous(q96), contiguous(kv96), contiguous(kv96)))
+    q96, kv96 = (65536, 16, 96), (65536, 2, 96)  # 192-byte rows: padded tiles, TMA-addressable
+    assert call(q96, kv96, varlen=True, num_seqs=8,
+                strides=(contiguous(q96), contiguous(kv96), contiguous(kv96)))
 
 
 def test_prefill_kernel_env() -> None:
@@ -450,7 +458,8 @@ def run(lens_q: list[int], lens_k: list[int], hq: int, hkv: int, *, causal: bool
     """A random batch through the Gluon kernel against the float64 reference, sequence by
     sequence. Dense (varlen=False): every sequence has lens_q[0] / lens_k[0] rows. Offsets: ints
     or per-sequence lists (-> int32 / int64 tensors). via "api": longctx.attention, asserting
-    that the dispatch took the Gluon kernel; "direct": hopper_attention_fwd (any shape, also
+    that the dispatch took the Gluon kernel; "triton": longctx.attention with the Triton kernel
+    chosen (LONGCTX_PREFILL_KERNEL=triton); "direct": hopper_attention_fwd (any shape, also
     those the dispatch leaves to the Triton kernel), descriptors `mode` (None: its default)."""
     scale = d ** -0.5
     b = len(lens_q)
@@ -469,11 +478,11 @@ def run(lens_q: list[int], lens_k: list[int], hq: int, hkv: int, *, causal: bool
         assert len(set(lens_q)) == 1 and len(set(lens_k)) == 1
         q = rand(b, lens_q[0], hq, d, dtype=dtype)
         k, v = (rand(b, lens_k[0], hkv, d, dtype=dtype) for _ in range(2))
-    if via == "api":
+    if via in ("api", "triton"):
         assert mode is None
-        with gluon_counter() as calls:
+        with gluon_counter() as calls, P.prefill_kernel("auto" if via == "api" else "triton"):
             o, lse = longctx.attention(q, k, v, return_lse=True, **kw)
-        assert len(calls) == 1, "the dispatch did not take the Gluon kernel"
+        assert len(calls) == (via == "api"), f"the dispatch did not take the kernel asked ({via})"
     else:
         kw.pop("max_seqlen_k", None)
         o, lse = hopper_fwd(q, k, v, **dict(kw, causal=causal), mode=mode)
@@ -579,17 +588,33 @@ def test_varlen_api(causal: bool) -> None:
 
 @pytest.mark.gpu
 @hopper_gpu
-@pytest.mark.parametrize("d", [64, 256])
+@pytest.mark.parametrize("d", [64, 256, 40, 80, 96, 192])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_head_dims(d: int, causal: bool) -> None:
-    """head_dim 64 and 256: B = 1 (host descriptors) and B = 2 ragged, offsets, varlen; through
-    the dispatch where it sends the head_dim to the Gluon kernel (_HOPPER_HEAD_DIMS)."""
+    """head_dim 64 and 256, and head_dims padded to those tiles or 128's (40, 80, 96, 192):
+    B = 1 (host descriptors for a power of two) and B = 2 ragged, offsets, varlen, GQA group 3
+    and 5; through the dispatch, which sends them all to the Gluon kernel."""
     torch.manual_seed(d + causal)
     run([1000], [1000], 6, 2, causal=causal, d=d)
     run([129, 129], [777, 777], 3, 1, causal=causal, d=d, q_start=600)
-    run([1, 257, 0, 1000], [1, 257, 5, 1000], 8, 1, causal=causal, d=d, varlen=True)
-    run([4000], [4000], 16, 2, causal=causal, d=d,
-        via="api" if d in P._HOPPER_HEAD_DIMS else "direct")
+    run([1, 257, 0, 1000], [1, 257, 5, 1000], 10, 2, causal=causal, d=d, varlen=True)
+    run([4000], [4000], 16, 2, causal=causal, d=d, via="api")
+
+
+@pytest.mark.gpu
+@hopper_gpu
+@pytest.mark.parametrize("d", [96, 192])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_head_dims_triton_kernel(d: int, causal: bool) -> None:
+    """The Triton kernel (LONGCTX_PREFILL_KERNEL=triton) at padded head_dims and realistic
+    sizes: 8192 rows of 32 / 8 heads (GQA 4; Phi-3's 96), a chunk after a cached prefix,
+    varlen."""
+    torch.manual_seed(d + 2 + causal)
+    run([8192], [8192], 32, 8, causal=causal, d=d, via="triton")
+    run([1500, 1500], [1500, 1500], 10, 2, causal=causal, d=d, via="triton")  # B = 2, GQA 5
+    run([3000], [7000], 12, 4, causal=causal, d=d, q_start=4000, via="triton")
+    run([0, 1, 3000, 129], [5, 1, 3000, 2000], 16, 2, causal=causal, d=d, varlen=True,
+        via="triton")
 
 
 @pytest.mark.gpu
@@ -616,10 +641,10 @@ def test_gqa_groups(hq: int, hkv: int, causal: bool) -> None:
     run([2048], [2048], hq, hkv, causal=causal)  # 16 key tiles: many ring laps (slot parities)
 
 
-def initial_state(b: int, sq: int, hq: int) -> tuple[torch.Tensor, torch.Tensor]:
+def initial_state(b: int, sq: int, hq: int, d: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
     """A running state whose odd rows are empty (LSE -inf, O NaN: never to be read) and whose
     even rows hold a finite partial result."""
-    o_acc = torch.randn(b, sq, hq, 128, device="cuda")
+    o_acc = torch.randn(b, sq, hq, d, device="cuda")
     lse_acc = torch.randn(b, sq, hq, device="cuda") * 3
     o_acc[:, 1::2] = float("nan")
     lse_acc[:, 1::2] = float("-inf")
@@ -640,16 +665,31 @@ def test_accumulate(b: int, sq: int, group: int, sk: int, dtype: torch.dtype,
     into a state with empty (NaN) rows; against the same steps through attention_merge_into on
     the Triton kernel and against the float64 reference (within 2x the Triton kernel's error).
     Ragged lengths: rows past Sq are never touched."""
+    run_accumulate(b, sq, group, sk, dtype, 128, monkeypatch)
+
+
+@pytest.mark.gpu
+@hopper_gpu
+@pytest.mark.parametrize("d", [96, 192])
+def test_accumulate_head_dim_not_power_of_two(d: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`test_accumulate` at padded head_dims: the padding columns of a row of the state are the
+    next head's, which the fused merge must neither read nor write."""
+    run_accumulate(2, 1000, 3, 777, BF16, d, monkeypatch)
+
+
+def run_accumulate(b: int, sq: int, group: int, sk: int, dtype: torch.dtype, d: int,
+                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """`test_accumulate`'s steps at head_dim d."""
     torch.manual_seed(70 + group + sk + sq)
     hkv = 2
     hq = group * hkv
-    q = rand(b, sq, hq, 128, dtype=dtype)
+    q = rand(b, sq, hq, d, dtype=dtype)
     blocks = [(sk, False, 0, 0), (sq, True, 0, 0), (sk, True, 300, 0)]
-    steps = [(rand(b, n, hkv, 128, dtype=dtype), rand(b, n, hkv, 128, dtype=dtype), c, qs, ks)
+    steps = [(rand(b, n, hkv, d, dtype=dtype), rand(b, n, hkv, d, dtype=dtype), c, qs, ks)
              for n, c, qs, ks in blocks]
-    scale = 128 ** -0.5
+    scale = d ** -0.5
     # the state is a slice of a longer buffer: rows past Sq must stay as they are
-    full = initial_state(b, sq + 5, hq)
+    full = initial_state(b, sq + 5, hq, d)
     state = tuple(x[:, :sq] for x in full)
     gluon, triton_ = (tuple(t.clone() for t in full) for _ in range(2))
     for k, v, causal, qs, ks in steps:

@@ -103,14 +103,15 @@ def _matrix(rank, world, group):
 
 def _kernel_path(rank, world, group):
     """The ring on the Triton kernel (interpreter on CPU): its fused merge into an uninitialised
-    float32 accumulator (`attention_merge_into`), causal zigzag and unmasked contiguous, GQA.
-    CPU tensors reach the kernel only under the interpreter; on a GPU machine
-    tests/test_ring_gpu.py checks the ring's plan on the kernel against a reference instead."""
+    float32 accumulator (`attention_merge_into`), causal zigzag and unmasked contiguous, GQA,
+    head_dim 32 and 40 (a tile of 64, padded). CPU tensors reach the kernel only under the
+    interpreter; on a GPU machine tests/test_ring_gpu.py checks the ring's plan on the kernel
+    against a reference instead."""
     if not interpreter_active():
         return
     with force_triton():
-        for causal, layout in ((True, "zigzag"), (False, "contiguous")):
-            _check_ring(rank, world, group, B=1, S=2 * world * 8, Hq=4, Hkv=2, D=32,
+        for causal, layout, d in ((True, "zigzag", 32), (False, "contiguous", 40)):
+            _check_ring(rank, world, group, B=1, S=2 * world * 8, Hq=4, Hkv=2, D=d,
                         causal=causal, layout=layout, dtype=torch.float32, scale=None, atol=2e-5)
 
 
