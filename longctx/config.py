@@ -54,9 +54,9 @@ class ModelArgs:
                                  f"({self.n_heads}); set model.head_dim")
             object.__setattr__(self, "head_dim", self.dim // self.n_heads)
         d = self.head_dim
-        # The attention kernels take power-of-two head sizes in [16, 256] (longctx.checks).
-        if not isinstance(d, int) or d < 16 or d > 256 or d & (d - 1):
-            raise ValueError(f"model.head_dim must be a power of two in [16, 256], got {d!r}")
+        # The attention kernels' range (longctx.checks.check_head_dim).
+        if not isinstance(d, int) or isinstance(d, bool) or d < 16 or d > 256 or d % 8:
+            raise ValueError(f"model.head_dim must be a multiple of 8 in [16, 256], got {d!r}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"model.n_heads ({self.n_heads}) must be a multiple of "
                              f"model.n_kv_heads ({self.n_kv_heads})")

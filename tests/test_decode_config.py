@@ -128,8 +128,10 @@ def test_bad_model_and_parallel_config():
     ParallelDims(4, 1, 4).check_model(ModelArgs(  # tp > KV heads: replicated, allowed
         n_layers=1, dim=64, n_heads=4, n_kv_heads=2, head_dim=16, intermediate_size=64,
         vocab_size=64))
-    with pytest.raises(ValueError, match=r"model.head_dim must be a power of two in \[16, 256\], got 24"):
-        ModelArgs(n_layers=1, dim=96, n_heads=4, n_kv_heads=2, intermediate_size=64, vocab_size=64)
+    with pytest.raises(ValueError, match=r"model.head_dim must be a multiple of 8 in \[16, 256\], got 12"):
+        ModelArgs(n_layers=1, dim=96, n_heads=8, n_kv_heads=2, intermediate_size=64, vocab_size=64)
+    assert ModelArgs(n_layers=1, dim=96, n_heads=4, n_kv_heads=2, intermediate_size=64,
+                     vocab_size=64).head_dim == 24  # Phi-3's 96 and others: any multiple of 8
     with pytest.raises(ValueError, match=r"model.n_heads \(6\) must be a multiple of model.n_kv_heads \(4\)"):
         ModelArgs(n_layers=1, dim=96, n_heads=6, n_kv_heads=4, head_dim=16, intermediate_size=64,
                   vocab_size=64)
