@@ -6,8 +6,9 @@ import torch
 
 from longctx import ops
 from longctx.backend import force_triton
+from tests.env import DEVICE
 
-HALF = [torch.float16] + ([torch.bfloat16] if torch.cuda.is_available() else [])
+HALF = [torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 
 
 def _cpu(fn, *args):
@@ -30,6 +31,8 @@ def _tol(dtype):
     return dict(rtol=1e-6, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.gpu
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, *HALF])
 @pytest.mark.parametrize("shape,scale", [((3, 200), 3.0), ((2, 1, 1024), 3.0), ((1, 8192), 3.0),
                                          ((4, 96), 3e-3)])  # tiny x: eps matters
@@ -48,6 +51,8 @@ def _rope_fp64(x, cos, sin, pos):
     return x * c + torch.cat((-x2, x1), dim=-1) * s
 
 
+@pytest.mark.gpu
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, *HALF])
 @pytest.mark.parametrize("B,S,H,D,decode", [(2, 5, 3, 64, False), (3, 1, 20, 128, True)])
 def test_rope(dtype, B, S, H, D, decode, device):
@@ -75,6 +80,8 @@ def test_rope(dtype, B, S, H, D, decode, device):
         torch.testing.assert_close(results[1][0], qkv[0, :, :H], rtol=0, atol=0)
 
 
+@pytest.mark.gpu
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, *HALF])
 def test_silu_mul(dtype, device):
     gate_up = (torch.randn(3, 1, 2 * 2500, device=device) * 4).to(dtype)
@@ -85,6 +92,8 @@ def test_silu_mul(dtype, device):
     torch.testing.assert_close(got.float(), want.float(), **_tol(dtype))
 
 
+@pytest.mark.gpu
+@pytest.mark.interpreter
 @pytest.mark.parametrize("H", [1, 3, 8])
 def test_store_kv(H, device):
     B, S_max, D = 3, 9, 32
@@ -131,6 +140,8 @@ def _rope_store(how, qkv, kc, vc, cos, sin, pos, slot):
     return qkv, kc, vc
 
 
+@pytest.mark.gpu
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, *HALF])
 @pytest.mark.parametrize("hq,hkv", [(2, 2), (6, 2), (3, 1), (20, 4)])  # GQA 1, 3, 3, 5
 def test_rope_store_kv(dtype, hq, hkv, device):
@@ -165,6 +176,8 @@ def test_rope_store_kv(dtype, hq, hkv, device):
     assert torch.equal(out[0], qkv[0])  # position 0 is the identity
 
 
+@pytest.mark.gpu
+@pytest.mark.interpreter
 def test_rope_store_kv_skips_slots_out_of_range(device):
     """A slot outside [0, S_max) is not written (as store_kv's kernel: the decode that follows
     flags the sequence), while q and k are still rotated; the other sequences are stored."""
@@ -219,6 +232,8 @@ def test_rope_store_kv_gpu_bf16(hq, hkv):
     assert torch.equal(fused[2][b, slot], qkv[:, hq + hkv:])
 
 
+@pytest.mark.gpu
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, *HALF])
 def test_rms_norm_with_residual_add(dtype, device):
     x = (torch.randn(2, 3, 300, device=device) * 3).to(dtype)
@@ -230,6 +245,8 @@ def test_rms_norm_with_residual_add(dtype, device):
     torch.testing.assert_close(y_got.float(), y_want.float(), **_tol(dtype))
 
 
+@pytest.mark.gpu
+@pytest.mark.interpreter
 @pytest.mark.parametrize("N,K", [(37, 100), (130, 700), (64, 1536)])
 def test_linear_one_row_gemv(N, K, device):
     """The batch-1 GEMV against float64, within 2x torch's error in the same dtype (odd N and K:
@@ -245,6 +262,8 @@ def test_linear_one_row_gemv(N, K, device):
     assert err <= 2 * err_plain + 1e-6, (err, err_plain)
 
 
+@pytest.mark.gpu
+@pytest.mark.interpreter
 @pytest.mark.parametrize("I,K", [(37, 100), (65, 700), (32, 1536)])
 def test_linear_silu_mul_gated_gemv(I, K, device):
     """The gated batch-1 GEMV (silu(gate) * up in its epilogue) against float64, within 2x the
