@@ -147,7 +147,8 @@ def _store_kv_kernel(KC, VC, K, V, SLOT, S_MAX, stride_cb, stride_cs, stride_ch,
     slot = tl.load(SLOT + b).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, D)
-    mask = (offs_h < H)[:, None] & (slot >= 0) & (slot < S_MAX)
+    # where, not `&`: a scalar comparison and-ed into a mask is refused by Triton 3.9's interpreter
+    mask = tl.where((slot >= 0) & (slot < S_MAX), (offs_h < H)[:, None], False)
     if tl.program_id(1) == 0:
         src = K + b * stride_kb + offs_h[:, None] * stride_kh + offs_d[None, :]
         dst = KC + b * stride_cb + slot * stride_cs + offs_h[:, None] * stride_ch + offs_d[None, :]
@@ -192,7 +193,7 @@ def _rope_store_kv_kernel(Q, K, V, COS, SIN, POS, KC, VC, SLOT, S_MAX,
         k1, k2 = _rotate_rows_(K + b * stride_kb + head * stride_kh, cos, sin,
                                (offs_h < HKV)[:, None], HALF)
         slot = tl.load(SLOT + b).to(tl.int64)
-        mask = (offs_h < HKV)[:, None] & (slot >= 0) & (slot < S_MAX)
+        mask = tl.where((slot >= 0) & (slot < S_MAX), (offs_h < HKV)[:, None], False)
         offs_d = tl.arange(0, HALF)[None, :]
         dst = b * stride_cb + slot * stride_cs + head * stride_ch + offs_d
         tl.store(KC + dst, k1, mask=mask)
