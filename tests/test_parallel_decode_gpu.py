@@ -1,4 +1,4 @@
-"""tp=2 and sp=2 decoding on two GPUs (NCCL, bf16, CUDA graphs) against one GPU (issue 18):
+"""tp=2 and sp=2 decoding on two GPUs (NCCL, bf16, CUDA graphs) against one GPU:
 
 - logits: the prefill's and those of several decode steps replayed from a CUDA graph are as close
   to a float32 reference (the same bf16 weights, on the CPU) as twice the error of the tp=1 bf16
