@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from longctx.attention import attention, attention_merge_into
 from longctx.backend import use_triton_for
-from longctx.checks import check_attention_inputs
+from longctx.checks import check_attention_inputs, check_flag
 from longctx.parallel.process_group import all_gather_ints, global_rank, rank_and_world
 
 __all__ = ["LAYOUTS", "ring_attention", "shard_sequence", "unshard_sequence", "shard_chunks"]
@@ -291,6 +291,8 @@ def ring_attention(
         rank (or no process group initialised) this is `longctx.attention`.
     """
     check_attention_inputs(q, k, v, softmax_scale)
+    check_flag("causal", causal)
+    check_flag("return_lse", return_lse)
     _check_layout(layout)
     if k.shape[1] != q.shape[1]:
         raise ValueError(f"q and k must hold the same local sequence length: q.shape[1] is "

@@ -70,6 +70,8 @@ def _bad_input(rank, world):
     ql, kl, vl = (shard_sequence(x[:, :-1], None, "zigzag") for _ in range(3))
     with pytest.raises(ValueError, match=r"layout must be one of 'zigzag', 'contiguous', got 'ring'"):
         ring_attention(ql, kl, vl, layout="ring")
+    with pytest.raises(ValueError, match=r"causal must be True or False, got 'no'"):
+        ring_attention(ql, kl, vl, causal="no")
     with pytest.raises(ValueError, match=r"q.shape\[1\] .* is 5, but layout 'zigzag' needs"):
         ring_attention(ql[:, :5], kl[:, :5], vl[:, :5])
     with pytest.raises(ValueError, match="same local sequence length"):
