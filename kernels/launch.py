@@ -22,7 +22,7 @@ interpreter, a registered launch hook (`triton.knobs.runtime.launch_enter_hook` 
 `launch_exit_hook`, e.g. a profiler) or pre-run hook, `LONGCTX_FAST_LAUNCH=0` in the
 environment or inside `fast_launch(False)` (A/B timing, tests), and a Triton whose internals
 differ from the ones used here (Triton 3.6's; `launch_internals_differ`, checked once, logged in
-one line; Triton 3.7+ replaced the per-kernel C launcher). Triton's `debug` and instrumentation
+one line; Triton 3.9 has one shared C launcher instead of one per kernel). Triton's `debug` and instrumentation
 knobs are read when a spec_code's binary is fetched, not per call.
 """
 
@@ -103,8 +103,9 @@ def _internals_match() -> bool:
     if _internals_ok is None:
         why = launch_internals_differ()
         if why is not None:
-            log.warning("longctx: Triton %s's launch internals differ from those the fast launch "
-                        "path calls (%s); kernels launch through Triton's own path", triton.__version__, why)
+            log.warning("longctx: Triton %s's launch internals differ from those the fast "
+                        "launch path calls (%s); kernels launch through Triton's own path",
+                        triton.__version__, why)
         _internals_ok = why is None
     return _internals_ok
 
