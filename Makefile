@@ -1,4 +1,5 @@
-# make test : create .venv if missing, install longctx with its test deps, run the suite on CPU.
+# make test : create .venv if missing, install longctx with its test deps, run the suite (both
+#             processes; on a GPU machine the `gpu` tests too).
 # make demo : same set-up, then decode with the embedded tiny model on the CPU (launch/decode.py).
 # Where python3 can already import torch (a GPU machine), .venv reuses that torch; otherwise a
 # CPU build of torch is installed (never a multi-GB CUDA download).
@@ -25,8 +26,14 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install -q -e ".[test]"
 	@touch $@
 
+# Two pytest processes (tests/conftest.py): the main one (torch tests; `gpu` tests where CUDA is)
+# and the interpreter one (`interpreter` tests: Triton kernels on CPU tensors). Both always run;
+# the target fails if either does.
 test: setup
-	$(PY) -m pytest -q
+	@status=0; \
+	$(PY) -m pytest -q $(PYTEST_ARGS) || status=1; \
+	TRITON_INTERPRET=1 $(PY) -m pytest -q $(PYTEST_ARGS) || status=1; \
+	exit $$status
 
 demo: setup
 	$(PY) launch/decode.py

@@ -117,7 +117,7 @@ def variants() -> list[dict]:
     out.append(dict(out[1], B=2))                                    # batch 2: same kernel
     out.append(dict(out[1], lse_offset=1))                           # unaligned lse_acc
     out.append(_variant(causal=True, Sq=3000, Sk=9000))              # chunked prefill's last chunk
-    out.append(_variant(causal=True, Sq=12000, Sk=12000, Hq=24, Hkv=8))  # the shape
+    out.append(_variant(causal=True, Sq=12000, Sk=12000, Hq=24, Hkv=8))  # 24/8 heads at 12000
     for dtype in (torch.bfloat16, torch.float16):
         for acc in (False, True):
             out.append(_variant(dtype=dtype, causal=True, acc=acc, Sq=128, Sk=128, dispatch=False))

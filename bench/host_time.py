@@ -25,7 +25,7 @@ Per implementation and shape, µs per call:
          max(host, GPU) plus the gaps between. Median over the same 7 rounds.
   graph  the same calls captured in one CUDA graph, replayed, per call: the GPU time of a call
          with the launch cost removed. Median over 7 repetitions.
-The targets of issue 20 are checked in the last columns: longctx decode host <= 20 µs, eager
+The targets (BENCHMARKS.md, Eager API host cost) are checked in the last columns: longctx decode host <= 20 µs, eager
 within 10% of graph where graph > host, longctx attention host <= SDPA cuDNN host.
 Writes host-time[-tag].json to $OUT if set, else bench/results/raw/ (untracked); prints the table last.
 """
@@ -273,7 +273,7 @@ def _fmt(row: dict) -> str:
 
 
 def targets(row: dict) -> dict:
-    """Issue 20's targets for one row (None where a number is missing)."""
+    """The targets for one row (None where a number is missing)."""
     ours, cudnn = row.get("longctx", {}), row.get("sdpa_cudnn", {})
     host, eager, graph = ours.get("host_us"), ours.get("eager_us"), ours.get("graph_us")
     out = {}

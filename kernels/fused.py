@@ -167,7 +167,9 @@ def _store_kv_kernel(KC, VC, K, V, SLOT, S_MAX, stride_cb, stride_cs, stride_ch,
     slot = tl.load(SLOT + b).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
-    mask = _cols_mask((offs_h < H)[:, None], D, BLOCK_D) & (slot >= 0) & (slot < S_MAX)
+    # where, not `&`: a scalar comparison and-ed into a mask is refused by Triton 3.9's interpreter
+    mask = tl.where((slot >= 0) & (slot < S_MAX), _cols_mask((offs_h < H)[:, None], D, BLOCK_D),
+                    False)
     if tl.program_id(1) == 0:
         src = K + b * stride_kb + offs_h[:, None] * stride_kh + offs_d[None, :]
         dst = KC + b * stride_cb + slot * stride_cs + offs_h[:, None] * stride_ch + offs_d[None, :]
@@ -214,7 +216,10 @@ def _rope_store_kv_kernel(Q, K, V, COS, SIN, POS, KC, VC, SLOT, S_MAX,
                                _cols_mask((offs_h < HKV)[:, None], HALF, BLOCK_HALF), HALF,
                                BLOCK_HALF)
         slot = tl.load(SLOT + b).to(tl.int64)
-        mask = _cols_mask((offs_h < HKV)[:, None], HALF, BLOCK_HALF) & (slot >= 0) & (slot < S_MAX)
+        # where, not `&`: a scalar comparison and-ed into a mask is refused by Triton 3.9's
+        # interpreter
+        mask = tl.where((slot >= 0) & (slot < S_MAX),
+                        _cols_mask((offs_h < HKV)[:, None], HALF, BLOCK_HALF), False)
         offs_d = tl.arange(0, BLOCK_HALF)[None, :]
         dst = b * stride_cb + slot * stride_cs + head * stride_ch + offs_d
         tl.store(KC + dst, k1, mask=mask)

@@ -84,7 +84,7 @@ def gemv_config(K: int) -> tuple[int, int, int]:
     when K is a multiple of 2048 with at least 4 steps, else 1024-wide steps with 4 warps.
 
     From `bench/gemv.py --tp 1|2 --configs ...` on an H200 (CodeLlama-34B shapes, GEMVs chained
-    in a CUDA graph with PDL, session 3): 4 x 2048 x 8 reaches 96-101% of the streaming-read
+    in a CUDA graph with PDL): 4 x 2048 x 8 reaches 96-101% of the streaming-read
     bandwidth on every 8192-wide weight (q, qkv, o, gate/up, lm_head at tp=1; 90-99% at tp=2)
     and 4 x 1024 x 4 93-97% on the 4096-, 11008- and 22016-wide ones (o and down at tp=2, down
     at tp=1), where 2048-wide steps leave too few steps or a masked tail (91-92%). The previous

@@ -19,27 +19,33 @@ launches it with the CUDA launcher Triton generated for it.
 
 Not covered, so the generic path runs instead (`fast_launch_active()` is False): the Triton
 interpreter, a registered launch hook (`triton.knobs.runtime.launch_enter_hook` /
-`launch_exit_hook`, e.g. a profiler) or pre-run hook, and `LONGCTX_FAST_LAUNCH=0` in the
-environment or inside `fast_launch(False)` (A/B timing, tests). Triton's `debug` and
-instrumentation knobs are read when a spec_code's binary is fetched, not per call.
+`launch_exit_hook`, e.g. a profiler) or pre-run hook, `LONGCTX_FAST_LAUNCH=0` in the
+environment or inside `fast_launch(False)` (A/B timing, tests), and a Triton whose internals
+differ from the ones used here (Triton 3.6's; `launch_internals_differ`, checked once, logged in
+one line; Triton 3.9 has one shared C launcher instead of one per kernel). Triton's `debug` and instrumentation
+knobs are read when a spec_code's binary is fetched, not per call.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import os
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
+import triton
 from triton import knobs
 
 from longctx.backend import interpreter_active
 from longctx.kernels.utils import pdl_allowed
 
-__all__ = ["Launch", "fast_launch", "fast_launch_active", "current_device", "pdl_allowed",
-           "stream_scratch", "stream_counters",
+__all__ = ["Launch", "fast_launch", "fast_launch_active", "launch_internals_differ",
+           "current_device", "pdl_allowed", "stream_scratch", "stream_counters",
            "spec_code", "signature", "remember", "MAX_PLANS"]
+
+log = logging.getLogger(__name__)
 
 _INTERPRET = interpreter_active()
 _enabled = os.environ.get("LONGCTX_FAST_LAUNCH", "1") != "0"
@@ -64,12 +70,52 @@ def _hook_set(hook: object) -> bool:
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
+def launch_internals_differ() -> str | None:
+    """None where this Triton has the internals the fast path calls (Triton 3.6's), else what
+    differs. They are: `JITFunction.run(..., warmup=True)` returning the compiled kernel; the
+    CUDA launcher's C `launch` generated per kernel (`make_launcher`) and taking grid, stream,
+    function, flags, scratch, metadata, hooks and the kernel's arguments spread, as
+    `CudaLauncher.__call__(gridX, gridY, gridZ, stream, function, *args)` passes them; the
+    launch hooks in `knobs.runtime`."""
+    from triton.runtime.jit import JITFunction
+
+    try:
+        from triton.backends.nvidia import driver
+    except ImportError as e:
+        return f"no NVIDIA driver module ({e})"
+    if not hasattr(driver, "make_launcher"):
+        return "no per-kernel C launcher (triton.backends.nvidia.driver.make_launcher)"
+    call = list(inspect.signature(driver.CudaLauncher.__call__).parameters)
+    if call != ["self", "gridX", "gridY", "gridZ", "stream", "function", "args"]:
+        return f"CudaLauncher.__call__ takes {call}"
+    if "warmup" not in inspect.signature(JITFunction.run).parameters:
+        return "JITFunction.run takes no warmup"
+    if not all(hasattr(knobs.runtime, h) for h in ("launch_enter_hook", "launch_exit_hook")):
+        return "no launch hooks in triton.knobs.runtime"
+    return None
+
+
+_internals_ok: bool | None = None  # launch_internals_differ() is None; checked on first use
+
+
+def _internals_match() -> bool:
+    global _internals_ok
+    if _internals_ok is None:
+        why = launch_internals_differ()
+        if why is not None:
+            log.warning("longctx: Triton %s's launch internals differ from those the fast "
+                        "launch path calls (%s); kernels launch through Triton's own path",
+                        triton.__version__, why)
+        _internals_ok = why is None
+    return _internals_ok
+
+
 def fast_launch_active() -> bool:
     """Whether launches may bypass Triton's launch path now: enabled, compiled kernels (not the
-    interpreter), and no launch hook registered (a hook gets Triton's launch metadata, which only
-    the generic path builds)."""
+    interpreter), Triton's internals as expected (`launch_internals_differ`), and no launch hook
+    registered (a hook gets Triton's launch metadata, which only the generic path builds)."""
     rt = knobs.runtime
-    return _enabled and not _INTERPRET and not (
+    return _enabled and not _INTERPRET and _internals_match() and not (
         _hook_set(rt.launch_enter_hook) or _hook_set(rt.launch_exit_hook))
 
 

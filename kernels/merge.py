@@ -48,10 +48,11 @@ def _merge_parts(O, LSE, P, stride_op, stride_or, stride_lp, offs_r, r_mask, off
     for p0 in range(0, P, BLOCK_P):
         for i in tl.static_range(BLOCK_P):
             p = p0 + i
-            lse = tl.load(LSE + p * stride_lp + offs_r, mask=r_mask & (p < P),
-                          other=float("-inf"))
-            o = tl.load(O + p * stride_op + o_offs, mask=(r_mask[:, None] & d_mask[None, :]) & (p < P),
-                        other=0.0)
+            # where, not `r_mask & (p < P)`: Triton 3.9's interpreter types a scalar comparison
+            # int32, and a mask and-ed with it is refused ("mask has unsupported dtype").
+            rows = tl.where(p < P, r_mask, False)
+            lse = tl.load(LSE + p * stride_lp + offs_r, mask=rows, other=float("-inf"))
+            o = tl.load(O + p * stride_op + o_offs, mask=rows[:, None] & d_mask[None, :], other=0.0)
             m_new = tl.maximum(m, lse)
             alpha, w = _rescale(m, m_new, lse)
             # An empty part's O may be anything, NaN included: never multiplied by its zero weight.
@@ -254,6 +255,6 @@ class MergeIntoPlan:
 def merge_into_triton(o_acc: torch.Tensor, lse_acc: torch.Tensor, o: torch.Tensor,
                       lse: torch.Tensor) -> None:
     """In place (o_acc [..., H, D] f32, lse_acc [..., H] f32) <- merge(acc, (o, lse)); lse may
-    be a strided view (the ring passes its [B, S, H] transpose of attention's [B, H, S]).
+    be a strided view.
     Triton's generic launch path; longctx.merge.merge_into caches the plan and launches directly."""
     MergeIntoPlan(o_acc, lse_acc, o, lse)(o_acc, lse_acc, o, lse, None)

@@ -585,10 +585,10 @@ def flash_attention_fwd(
     """Attention forward returning (O, LSE), or merging them into a running state.
 
     Dense:  q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D]
-            -> o [B, Sq, Hq, D] (q.dtype), lse [B, Hq, Sq] float32 (natural log).
+            -> o [B, Sq, Hq, D] (q.dtype), lse [B, Sq, Hq] float32 (natural log).
     Varlen: q [total_q, Hq, D], k/v [total_k, Hkv, D], cu_seqlens_q/k int32 [B+1]
             on q.device, max_seqlen_q/k python ints
-            -> o [total_q, Hq, D] (q.dtype), lse [Hq, total_q] float32.
+            -> o [total_q, Hq, D] (q.dtype), lse [total_q, Hq] float32.
 
     q_start / k_start: absolute position of query row 0 / key 0 of every
     sequence; python ints or int32/int64 tensors [B] on q.device. With
@@ -677,9 +677,9 @@ class PrefillPlan:
             sq_b, sq_s, sq_h = 0, q.stride(0), q.stride(1)
             sk_b, sk_s, sk_h = 0, k.stride(0), k.stride(1)
             sv_b, sv_s, sv_h = 0, v.stride(0), v.stride(1)
-            self.lse_shape = (hq, total_q)
+            self.lse_shape = (total_q, hq)
             so_b, so_s, so_h = 0, hq * d, d
-            sl_b, sl_h, sl_s = 0, total_q, 1
+            sl_b, sl_h, sl_s = 0, 1, hq
             seqlen_q_dense, seqlen_k_dense = 0, 0
             self.cu_copy = (not cu_seqlens_q.is_contiguous(), not cu_seqlens_k.is_contiguous())
             cu_dtypes = (cu_seqlens_q.dtype, cu_seqlens_k.dtype)
@@ -692,9 +692,9 @@ class PrefillPlan:
             sk_b, sk_s, sk_h, _ = k.stride()
             sv_b, sv_s, sv_h, _ = v.stride()
             if accumulate is None:
-                self.lse_shape = (batch, hq, sq)
+                self.lse_shape = (batch, sq, hq)
                 so_b, so_s, so_h = sq * hq * d, hq * d, d
-                sl_b, sl_h, sl_s = hq * sq, sq, 1
+                sl_b, sl_h, sl_s = sq * hq, 1, hq
             else:
                 self.lse_shape = None
                 so_b, so_s, so_h, _ = accumulate[0].stride()

@@ -431,7 +431,7 @@ def _attn_fwd_hopper_kernel(
     # What changes from call to call leads (a Launch's dynamic arguments, kernels/launch.py):
     Q, K, V,                  # q / k / v (device mode: the descriptors' bases)
     O,                        # output (device mode's O descriptors) or ACCUMULATE's O_ACC
-    LSE,                      # float32 output [B, Hq, Sq] / [Hq, total_q], or ACCUMULATE's state
+    LSE,                      # float32 output [B, Sq, Hq] / [total_q, Hq], or ACCUMULATE's state
     Q_START, K_START,         # CAUSAL: ints or int32/int64 [B] pointers (*_IS_TENSOR)
     CU_Q, CU_K,               # VARLEN: int32 [B + 1] sequence starts; else None
     q_desc,                   # host mode: TMA descriptor over [B * Sq, Hq * D], [64, D] boxes
@@ -587,9 +587,9 @@ def launch_args(
         (sqs, sqh, _), (sks, skh, _), (svs, svh, _) = q.stride(), k.stride(), v.stride()
         sqb = skb = svb = 0
         o = torch.empty((total_q, hq, d), dtype=q.dtype, device=q.device)
-        lse = torch.empty((hq, total_q), dtype=torch.float32, device=q.device)
+        lse = torch.empty((total_q, hq), dtype=torch.float32, device=q.device)
         o_strides = (0, o.stride(0), o.stride(1))
-        l_strides = (0, 1, lse.stride(0))
+        l_strides = (0, lse.stride(0), 1)
         out = (o, lse)
     else:
         batch, sq, hq, d = q.shape
@@ -599,13 +599,12 @@ def launch_args(
             q.stride(), k.stride(), v.stride())
         if accumulate is None:
             o = torch.empty((batch, sq, hq, d), dtype=q.dtype, device=q.device)
-            lse = torch.empty((batch, hq, sq), dtype=torch.float32, device=q.device)
+            lse = torch.empty((batch, sq, hq), dtype=torch.float32, device=q.device)
             out = (o, lse)
-            l_strides = (lse.stride(0), 1, lse.stride(1))
         else:
             o, lse = accumulate
             out = None
-            l_strides = lse.stride()  # [B, Sq, Hq]: (batch, seq, head)
+        l_strides = lse.stride()  # [B, Sq, Hq]: (batch, seq, head)
         o_strides = o.stride()[:3]
     bn, bd = block_n(d), next_power_of_2(d)
     host = mode == "host"
@@ -694,10 +693,10 @@ def hopper_attention_fwd(
     """Attention forward on Hopper returning (O, LSE), or merging them into a running state.
 
     Dense:  q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D]
-            -> o [B, Sq, Hq, D] (q.dtype), lse [B, Hq, Sq] float32 (natural log).
+            -> o [B, Sq, Hq, D] (q.dtype), lse [B, Sq, Hq] float32 (natural log).
     Varlen: q [total_q, Hq, D], k/v [total_k, Hkv, D], cu_seqlens_q/k int32 [B + 1] on q's
             device, max_seqlen_q a python int >= every sequence's query length
-            -> o [total_q, Hq, D], lse [Hq, total_q].
+            -> o [total_q, Hq, D], lse [total_q, Hq].
     bf16 or fp16, D a multiple of 8 whose tile (the next power of two) is in HEAD_DIMS, on an
     sm_90 GPU; causal: row i sees key j iff k_start + j <= q_start + i (ints or [B] int
     tensors); rows that see no key get O = 0 and LSE = -inf.

@@ -2,8 +2,8 @@
 
     python launch/bench.py case=decode            # Flash-Decoding table (fp16, 16/2 heads, D=128)
     python launch/bench.py case=prefill           # prefill TFLOPS (bf16, D=128)
-    python launch/bench.py case=prefill prefill_table=issue22   # issue 22's table (odd lengths,
-                                                  # 3 head layouts, D=64/256, varlen)
+    python launch/bench.py case=prefill prefill_table=any_length  # odd lengths, 3 head
+                                                  # layouts, D=64/256, varlen
     python launch/bench.py case=prefill prefill_table=head_dims # D=96/192/128/256 rows
     python launch/bench.py case=decode decode_table=head_dims   # D=96/192/128 rows
     python launch/bench.py case=decode decode.shapes='[[1,65536]]' tag=h100
@@ -496,8 +496,8 @@ def environment() -> dict:
 
 def warm_up_gpu(seconds: float = 1.0) -> None:
     """Keep the GPU busy for `seconds` so that the first timed row does not run on clocks that
-    are still ramping up from idle (session 9: the first row of an H200 prefill run measured 281
-    TFLOPS, 480 in two re-runs a minute later; bench/results/prefill-h200-4096-rerun*.json)."""
+    are still ramping up from idle (the first row of an H200 prefill run measured 281 TFLOPS,
+    480 in two re-runs a minute later; bench/results/prefill-h200-4096-rerun*.json)."""
     a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
     start = time.perf_counter()
     while time.perf_counter() - start < seconds:

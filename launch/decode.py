@@ -4,7 +4,7 @@
     torchrun --nproc_per_node=8 launch/decode.py +model=codellama34b parallel.tp=8 context_len=32768
     torchrun --nproc_per_node=4 launch/decode.py +model=llama3_8b parallel.tp=2 parallel.sp=2
     torchrun --nproc_per_node=2 launch/decode.py +model=llama3_1_70b parallel.tp=2 context_len=131072
-    python launch/decode.py model.checkpoint=<hf llama/qwen2 dir> prompt="def f(xs):" gen_len=64
+    python launch/decode.py model.checkpoint=<hf llama/qwen2 dir> 'prompt="def quicksort(xs):"' gen_len=64
     python launch/decode.py +model=codellama34b prefill=synthetic context_len=400000  # no prefill
 
 Options: configs/decode.yaml; model presets configs/model/*.yaml (Llama 2 / 3 / 3.1, CodeLlama,
@@ -37,7 +37,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
-from longctx.config import ModelArgs, check_decode_config, resolve_dtype  # noqa: E402
+from longctx.config import ModelArgs, check_chunk, check_decode_config, resolve_dtype  # noqa: E402
 from longctx.generate import Generation, generate, generate_synthetic  # noqa: E402
 from longctx.hardware import available_memory, code_commit, read_bandwidth  # noqa: E402
 from longctx.parallel.memory import GiB, check_memory, estimate_memory, largest_context  # noqa: E402
@@ -45,7 +45,6 @@ from longctx.model import Transformer  # noqa: E402
 from longctx.parallel.build import build_model  # noqa: E402
 from longctx.parallel.mesh import ParallelDims  # noqa: E402
 from longctx.parallel.process_group import init_from_env, rank_and_world  # noqa: E402
-from longctx.parallel.sequence_parallel import check_sp_chunk  # noqa: E402
 from longctx.rope import describe as describe_rope  # noqa: E402
 from longctx.weights import HFCheckpoint, RandomWeights  # noqa: E402
 
@@ -192,7 +191,7 @@ def run(cfg: DictConfig, device: torch.device, rank: int, world: int, run_dir: P
         OmegaConf.save(cfg, run_dir / "config.yaml")
     B = cfg.batch
     synthetic = cfg.prefill == "synthetic"
-    chunk = check_sp_chunk(cfg.prefill_chunk, dims.sp)
+    chunk = check_chunk(cfg.prefill_chunk, 1 if synthetic else dims.sp)
     tokenizer = ckpt.tokenizer() if cfg.prompt else None
     prompt = None
     if tokenizer is not None:
@@ -341,7 +340,7 @@ def main(cfg: DictConfig) -> None:
     ckpt = HFCheckpoint(cfg.model.checkpoint) if cfg.model.checkpoint else None
     args = ckpt.args() if ckpt else ModelArgs.from_config(cfg.model)
     dims.check_model(args)
-    check_sp_chunk(cfg.prefill_chunk, dims.sp)
+    check_chunk(cfg.prefill_chunk, 1 if cfg.prefill == "synthetic" else dims.sp)
 
     device = init_from_env()  # nccl on cuda:LOCAL_RANK, or gloo on the CPU
     rank, world = rank_and_world()

@@ -114,7 +114,7 @@ def compare_one_device(cfg: DictConfig, device: torch.device, ring: Callable, fl
     S = cfg.seq_len
     o_loc, lse_loc = ring()
     o = unshard_sequence(o_loc, None, cfg.layout)
-    lse = unshard_sequence(lse_loc, None, cfg.layout, dim=-1)
+    lse = unshard_sequence(lse_loc, None, cfg.layout)
     if rank == 0:
         chunks = sorted(c for r in range(world) for c in shard_chunks(S, world, r, cfg.layout))
         qf, kf, vf = synthetic_qkv(cfg, chunks, device)

@@ -5,12 +5,17 @@ from __future__ import annotations
 import torch
 
 from longctx.backend import use_triton_for
-from longctx.checks import check_accumulator, check_attention_inputs, check_offset
+from longctx.checks import (
+    check_accumulator, check_attention_inputs, check_flag, check_offset, check_optional_int,
+    check_tensor,
+)
 from longctx.merge import merge_into
 from longctx.reference import reference_attention
 
 
-def _check_cu_seqlens(cu: torch.Tensor, name: str, total: int, device: torch.device) -> None:
+def _check_cu_seqlens(cu: torch.Tensor, name: str, total: int, device: torch.device,
+                      max_seqlen: int | None) -> None:
+    check_tensor(name, cu)
     if cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 2:
         raise ValueError(f"{name} must be a 1-D int32 tensor [batch + 1], got {cu.dtype} {tuple(cu.shape)}")
     if cu.device != device:
@@ -21,6 +26,11 @@ def _check_cu_seqlens(cu: torch.Tensor, name: str, total: int, device: torch.dev
                 f"{name} must start at 0, be non-decreasing and end at the packed length {total}; "
                 f"got {cu.tolist()}"
             )
+        longest = int((cu[1:] - cu[:-1]).max())
+        if max_seqlen is not None and max_seqlen < longest:
+            arg = name.replace("cu_seqlens", "max_seqlen")
+            raise ValueError(f"{arg} ({max_seqlen}) is less than the longest sequence in {name} "
+                             f"({longest}): it sizes the kernel's grid")
 
 
 # longctx.kernels.launch and .prefill, imported on first use (CPU-only use never imports Triton).
@@ -79,7 +89,8 @@ def attention(
 
     Returns:
         o shaped like q, in q's dtype; with return_lse also the LSE, float32 natural log,
-        [B, Hq, Sq] (varlen: [Hq, total_q]). Rows that see no key give O = 0 and LSE = -inf.
+        shaped like o without head_dim: [B, Sq, Hq] (varlen: [total_q, Hq]), the layout
+        `merge_states` / `merge_into` take. Rows that see no key give O = 0 and LSE = -inf.
 
     Backend: CUDA tensors run the Triton FlashAttention kernel (longctx.kernels.prefill; on
     Hopper GPUs its Gluon fast path where that applies); CPU tensors the exact torch reference.
@@ -103,7 +114,8 @@ def attention(
             key = plan = None
         if plan is None:
             scale = _check_attention(q, k, v, causal, softmax_scale, q_start, k_start,
-                                     cu_seqlens_q, cu_seqlens_k, varlen)
+                                     cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                     return_lse, varlen)
             _kp.check_prefill_args(q, k, v, q_start, k_start, cu_seqlens_q, max_seqlen_q,
                                    max_seqlen_k, None)
             plan = _kp.PrefillPlan(q, k, v, softmax_scale=scale, causal=causal, q_start=q_start,
@@ -117,7 +129,7 @@ def attention(
         return (o, lse) if return_lse else o
 
     scale = _check_attention(q, k, v, causal, softmax_scale, q_start, k_start, cu_seqlens_q,
-                             cu_seqlens_k, varlen)
+                             cu_seqlens_k, max_seqlen_q, max_seqlen_k, return_lse, varlen)
     if use_triton_for(q):
         _kernels()
         if varlen and max_seqlen_q is None:
@@ -139,14 +151,18 @@ def attention(
 
 
 def _check_attention(q, k, v, causal, softmax_scale, q_start, k_start, cu_seqlens_q, cu_seqlens_k,
-                     varlen) -> float:
+                     max_seqlen_q, max_seqlen_k, return_lse, varlen) -> float:
     """`attention`'s input checks; returns the softmax scale."""
     if varlen and (cu_seqlens_q is None or cu_seqlens_k is None):
         raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together (varlen mode)")
     check_attention_inputs(q, k, v, softmax_scale, varlen)
+    check_flag("causal", causal)
+    check_flag("return_lse", return_lse)
+    check_optional_int("max_seqlen_q", max_seqlen_q, 0)
+    check_optional_int("max_seqlen_k", max_seqlen_k, 0)
     if varlen:
-        _check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q.shape[0], q.device)
-        _check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", k.shape[0], q.device)
+        _check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q.shape[0], q.device, max_seqlen_q)
+        _check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", k.shape[0], q.device, max_seqlen_k)
         if cu_seqlens_q.numel() != cu_seqlens_k.numel():
             raise ValueError(
                 f"cu_seqlens_q has {cu_seqlens_q.numel() - 1} sequences but cu_seqlens_k has "
@@ -196,7 +212,8 @@ def attention_merge_into(
         except TypeError:
             key = plan = None
         if plan is None:
-            _check_attention_merge_into(o_acc, lse_acc, q, k, v, softmax_scale, q_start, k_start)
+            _check_attention_merge_into(o_acc, lse_acc, q, k, v, causal, softmax_scale, q_start,
+                                        k_start)
             _kp.check_prefill_args(q, k, v, q_start, k_start, None, None, None, (o_acc, lse_acc))
             scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
             plan = _kp.PrefillPlan(q, k, v, softmax_scale=scale, causal=causal, q_start=q_start,
@@ -207,7 +224,7 @@ def attention_merge_into(
                 kl.remember(_MERGE_PLANS, key, plan)
         plan(q, k, v, q_start, k_start, None, None, (o_acc, lse_acc), dev)
         return
-    _check_attention_merge_into(o_acc, lse_acc, q, k, v, softmax_scale, q_start, k_start)
+    _check_attention_merge_into(o_acc, lse_acc, q, k, v, causal, softmax_scale, q_start, k_start)
     if use_triton_for(q):
         _kernels()
         scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
@@ -216,18 +233,22 @@ def attention_merge_into(
         return
     o, lse = attention(q, k, v, causal=causal, softmax_scale=softmax_scale, q_start=q_start,
                        k_start=k_start, return_lse=True)
-    merge_into(o_acc, lse_acc, o, lse.transpose(1, 2), check=False)
+    merge_into(o_acc, lse_acc, o, lse, check=False)
 
 
-def _check_attention_merge_into(o_acc, lse_acc, q, k, v, softmax_scale, q_start, k_start) -> None:
+def _check_attention_merge_into(o_acc, lse_acc, q, k, v, causal, softmax_scale, q_start,
+                                k_start) -> None:
+    check_tensor("o_acc", o_acc)
+    check_tensor("lse_acc", lse_acc)
     check_attention_inputs(q, k, v, softmax_scale)
+    check_flag("causal", causal)
     check_offset(q_start, "q_start", q.shape[0], q.device)
     check_offset(k_start, "k_start", q.shape[0], q.device)
     check_accumulator(o_acc, lse_acc, q)
 
 
 def _reference_varlen(q, k, v, cu_q, cu_k, causal, scale, q_start, k_start):
-    """The reference, one packed sequence at a time: o [total_q, Hq, D], lse [Hq, total_q]."""
+    """The reference, one packed sequence at a time: o [total_q, Hq, D], lse [total_q, Hq]."""
     cq, ck = cu_q.tolist(), cu_k.tolist()
     os_, lses = [], []
     for b in range(len(cq) - 1):
@@ -239,4 +260,4 @@ def _reference_varlen(q, k, v, cu_q, cu_k, causal, scale, q_start, k_start):
         )
         os_.append(o[0])
         lses.append(lse[0])
-    return torch.cat(os_), torch.cat(lses, dim=-1)
+    return torch.cat(os_), torch.cat(lses)

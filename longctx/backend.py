@@ -1,7 +1,7 @@
 """Backend choice: CUDA tensors run the Triton kernels, CPU tensors the torch reference.
 
-Tests force the Triton kernels onto CPU tensors (under the Triton interpreter, which
-tests/conftest.py enables when there is no GPU) with `force_triton()`.
+Under the Triton interpreter (TRITON_INTERPRET=1) tests force the Triton kernels onto CPU
+tensors with `force_triton()`; nowhere else can a Triton kernel read host memory.
 """
 
 from __future__ import annotations
@@ -12,20 +12,27 @@ from collections.abc import Iterator
 
 import torch
 
+# Read once, at import: Triton decides when a kernel is defined (@triton.jit) whether it is
+# compiled or interpreted, so a later change of the variable could not take effect.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
 _forced = False
 
 
 def interpreter_active() -> bool:
-    """True when Triton runs kernels in its Python interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """True when Triton runs kernels in its Python interpreter (TRITON_INTERPRET=1 at import)."""
+    return INTERPRET
 
 
 @contextlib.contextmanager
 def force_triton(enabled: bool = True) -> Iterator[None]:
-    """Route CPU tensors to the Triton kernels too (needs TRITON_INTERPRET=1 on CPU)."""
+    """Route CPU tensors to the Triton kernels too: only under the Triton interpreter, the one
+    place a Triton kernel can read host memory (compiled kernels would get host pointers)."""
     global _forced
-    if enabled and not interpreter_active() and not torch.cuda.is_available():
-        raise RuntimeError("force_triton() on a machine without CUDA needs TRITON_INTERPRET=1")
+    if enabled and not INTERPRET:
+        raise RuntimeError("force_triton() runs the Triton kernels on CPU tensors, which only the "
+                           "Triton interpreter can do: set TRITON_INTERPRET=1 before importing "
+                           "longctx (CUDA tensors take the kernels without it)")
     prev, _forced = _forced, enabled
     try:
         yield
@@ -34,5 +41,9 @@ def force_triton(enabled: bool = True) -> Iterator[None]:
 
 
 def use_triton_for(t: torch.Tensor) -> bool:
-    """Whether work on tensor `t` goes to the Triton kernels (CUDA, or forced)."""
-    return t.is_cuda or _forced
+    """Whether work on tensor `t` goes to the Triton kernels (CUDA, or forced); False for what is
+    not a tensor, which the caller's validation then rejects."""
+    try:
+        return t.is_cuda or _forced
+    except AttributeError:
+        return False

@@ -72,6 +72,7 @@ def check_attention_inputs(
     nd = 3 if varlen else 4
     layout = "[total, heads, head_dim] (varlen)" if varlen else "[batch, seq, heads, head_dim]"
     for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, t)
         if t.dim() != nd:
             raise ValueError(f"{name} must be {layout}, got shape {tuple(t.shape)}")
         if t.stride(-1) != 1:
@@ -105,3 +106,21 @@ def check_accumulator(o_acc: torch.Tensor, lse_acc: torch.Tensor, q: torch.Tenso
                          f"device {q.device}")
     if o_acc.stride(-1) != 1:
         raise ValueError(f"o_acc needs unit stride in head_dim, got strides {o_acc.stride()}")
+
+
+def check_tensor(name: str, x: object) -> None:
+    """`x` is a torch.Tensor (not None, a list or an array)."""
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+
+
+def check_flag(name: str, x: object) -> None:
+    """A yes/no option is a bool: a truthy string or number would silently mean True."""
+    if not isinstance(x, bool):
+        raise ValueError(f"{name} must be True or False, got {x!r}")
+
+
+def check_optional_int(name: str, x: object, minimum: int) -> None:
+    """None, or an int (not a bool) >= minimum."""
+    if x is not None and (not isinstance(x, int) or isinstance(x, bool) or x < minimum):
+        raise ValueError(f"{name} must be an int >= {minimum} or None, got {x!r}")

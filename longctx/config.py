@@ -4,6 +4,7 @@ validation of a decode run's config (configs/decode.yaml)."""
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -17,6 +18,8 @@ from longctx.rope import RopeScaling
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # real: the prompt runs through the model; synthetic: seeded random KV cache, no prefill.
 PREFILL_MODES = ("real", "synthetic")
+# Keys of a config's model node that are not ModelArgs fields.
+MODEL_NODE_KEYS = ("checkpoint",)
 
 
 @dataclass(frozen=True)
@@ -80,9 +83,24 @@ class ModelArgs:
                              f"null, got {self.rope_scaling!r}")
 
     @classmethod
+    def check_keys(cls, node: Mapping[str, Any]) -> None:
+        """A config's `model` node holds only ModelArgs fields and MODEL_NODE_KEYS: a misspelt
+        field (`rope_thetaa`) would otherwise be dropped silently, leaving the default."""
+        known = [f.name for f in dataclasses.fields(cls)] + list(MODEL_NODE_KEYS)
+        unknown = [k for k in node if k not in known]
+        if unknown:
+            hints = []
+            for k in unknown:
+                close = difflib.get_close_matches(str(k), known, n=1)
+                hints.append(f"model.{k}" + (f" (model.{close[0]}?)" if close else ""))
+            raise ValueError(f"unknown model config key(s): {', '.join(hints)}; the model node "
+                             f"takes {', '.join(known)}")
+
+    @classmethod
     def from_config(cls, node: Mapping[str, Any]) -> "ModelArgs":
-        """From a config's `model` node (configs/model/*.yaml); keys that are not fields (such
-        as `checkpoint`) are ignored, unknown spellings of fields are not."""
+        """From a config's `model` node (configs/model/*.yaml): its fields, and MODEL_NODE_KEYS
+        (such as `checkpoint`), which are not fields; any other key raises ValueError."""
+        cls.check_keys(node)
         names = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in node.items() if k in names}
         missing = [f.name for f in dataclasses.fields(cls)
@@ -208,13 +226,17 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def check_chunk(chunk: int | None, name: str = "prefill_chunk") -> int | None:
-    """A prefill chunk size: a positive int, or None / 0 for the whole prompt (returned as None).
-    ValueError naming `name` otherwise."""
-    if chunk is None or (isinstance(chunk, int) and not isinstance(chunk, bool) and chunk >= 0):
-        return chunk or None
-    raise ValueError(f"{name} must be a positive integer (positions per prefill call) or "
-                     f"null / 0 for the whole prompt, got {chunk!r}")
+def check_chunk(chunk: int | None, sp: int = 1) -> int | None:
+    """A prefill chunk size (`prefill_chunk`): a positive int, or None / 0 for the whole prompt
+    (returned as None); with sequence parallelism (sp > 1) a multiple of 2 sp, so that every
+    chunk splits evenly in the ring's zigzag layout. ValueError naming prefill_chunk otherwise."""
+    if not (chunk is None or (isinstance(chunk, int) and not isinstance(chunk, bool) and chunk >= 0)):
+        raise ValueError(f"prefill_chunk must be a positive integer (positions per prefill call) "
+                         f"or null / 0 for the whole prompt, got {chunk!r}")
+    if chunk and sp > 1 and chunk % (2 * sp):
+        raise ValueError(f"prefill_chunk ({chunk}) must be a multiple of 2 x parallel.sp "
+                         f"({2 * sp}): each chunk is split in 2 sp equal pieces")
+    return chunk or None
 
 
 # Tensor parallelism's sums (longctx.parallel.allreduce.make_all_reduce).
@@ -230,7 +252,8 @@ def check_decode_config(cfg: Mapping[str, Any]) -> None:
 
     if cfg["prefill"] not in PREFILL_MODES:
         raise ValueError(f"prefill must be one of {', '.join(PREFILL_MODES)}, got {cfg['prefill']!r}")
-    check_chunk(cfg["prefill_chunk"], "prefill_chunk")
+    ModelArgs.check_keys(cfg["model"])
+    check_chunk(cfg["prefill_chunk"])
     if cfg["prefill"] == "synthetic" and cfg.get("prompt") is not None:
         raise ValueError("prefill=synthetic fills the KV cache with random values for context_len "
                          "positions; it takes no prompt (set prompt=null)")

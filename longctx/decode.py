@@ -5,11 +5,20 @@ from __future__ import annotations
 import torch
 
 from longctx.backend import use_triton_for
-from longctx.checks import check_dtype, check_gqa, check_head_dim, check_same, check_softmax_scale
+from longctx.checks import (
+    check_dtype, check_flag, check_gqa, check_head_dim, check_optional_int, check_same,
+    check_softmax_scale, check_tensor,
+)
 from longctx.reference import reference_attention
 
 
-def _check_decode_args(q, k_cache, v_cache, cache_seqlens, block_table, num_splits):
+def _check_decode_args(q, k_cache, v_cache, cache_seqlens, block_table, num_splits, return_lse):
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache),
+                    ("cache_seqlens", cache_seqlens), ("block_table", block_table)):
+        if t is not None or name in ("q", "k_cache", "v_cache"):
+            check_tensor(name, t)
+    check_optional_int("num_splits", num_splits, 1)
+    check_flag("return_lse", return_lse)
     if q.dim() == 4 and q.shape[1] != 1:
         raise ValueError(f"q must be [B, Hq, D] or [B, 1, Hq, D]; got seq dim {q.shape[1]} != 1")
     if q.dim() not in (3, 4):
@@ -53,17 +62,19 @@ def _check_decode_args(q, k_cache, v_cache, cache_seqlens, block_table, num_spli
             )
         if cache_seqlens.device != q.device:
             raise ValueError(f"cache_seqlens is on {cache_seqlens.device} but q is on {q.device}")
-    if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
-        raise ValueError(f"num_splits must be a positive int or None, got {num_splits!r}")
 
 
-def _check_decode_values(k_cache, cache_seqlens, block_table, capacity):
-    """Lengths within capacity and page ids in range, for CPU tensors. On CUDA reading the
-    values would cost a host sync per call, so the kernel checks them instead and writes NaN
+def _check_decode_values(q, k_cache, cache_seqlens, block_table, capacity):
+    """Lengths within capacity and page ids in range, for CPU tensors; without cache_seqlens
+    every sequence is `capacity` long, so every page id of block_table is read. On CUDA reading
+    the values would cost a host sync per call, so the kernel checks them instead and writes NaN
     for a sequence with an invalid length or page id (loud, never silently wrong)."""
-    if cache_seqlens is None or cache_seqlens.is_cuda:
+    if q.is_cuda:
         return
-    lens = cache_seqlens.long()
+    if cache_seqlens is None:
+        lens = torch.full((q.shape[0],), capacity, dtype=torch.int64)
+    else:
+        lens = cache_seqlens.long()
     bad_len = (lens < 0) | (lens > capacity)
     if bad_len.any():
         b = int(bad_len.nonzero()[0, 0])
@@ -76,7 +87,8 @@ def _check_decode_values(k_cache, cache_seqlens, block_table, capacity):
         ids = block_table.long()
         if (used & ((ids < 0) | (ids >= k_cache.shape[0]))).any():
             raise ValueError(
-                f"block_table holds page ids outside [0, {k_cache.shape[0]}) within the valid lengths"
+                f"block_table holds page ids outside [0, {k_cache.shape[0]}) within the sequences' "
+                f"lengths (cache_seqlens, or without it the full capacity {capacity})"
             )
 
 
@@ -162,7 +174,8 @@ def decode(
         except (AttributeError, TypeError):  # not tensors / unhashable: validation says what
             key = plan = None
         if plan is None:
-            _check_decode_args(q, k_cache, v_cache, cache_seqlens, block_table, num_splits)
+            _check_decode_args(q, k_cache, v_cache, cache_seqlens, block_table, num_splits,
+                               return_lse)
             check_softmax_scale(softmax_scale)
             scale = softmax_scale if softmax_scale is not None else q.shape[-1]**-0.5
             plan = _kd.DecodePlan(q, k_cache, v_cache, cache_seqlens, block_table, scale,
@@ -172,13 +185,13 @@ def decode(
         o, lse = plan(q, k_cache, v_cache, cache_seqlens, block_table, dev)
         return (o, lse) if return_lse else o
 
-    _check_decode_args(q, k_cache, v_cache, cache_seqlens, block_table, num_splits)
+    _check_decode_args(q, k_cache, v_cache, cache_seqlens, block_table, num_splits, return_lse)
     check_softmax_scale(softmax_scale)
     q3 = q.reshape(q.shape[0], q.shape[-2], q.shape[-1]) if q.dim() == 4 else q
     B, _, D = q3.shape
     paged = block_table is not None
     capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
-    _check_decode_values(k_cache, cache_seqlens, block_table, capacity)
+    _check_decode_values(q, k_cache, cache_seqlens, block_table, capacity)
     scale = softmax_scale if softmax_scale is not None else D**-0.5
 
     if use_triton_for(q):
@@ -190,7 +203,7 @@ def decode(
     k = gather_pages(k_cache, block_table) if paged else k_cache
     v = gather_pages(v_cache, block_table) if paged else v_cache
     o, lse = reference_attention(q3[:, None], k, v, softmax_scale=scale, seqlens_k=cache_seqlens)
-    o, lse = o[:, 0], lse[..., 0]
+    o, lse = o[:, 0], lse[:, 0]
     if q.dim() == 4:
         o = o.view(q.shape)
     return (o, lse) if return_lse else o

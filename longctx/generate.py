@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from longctx.model import Transformer
+from longctx.model import Transformer, chunk_spans
 
 
 def sample(logits: torch.Tensor, temperature: float = 0.0, top_p: float = 1.0) -> torch.Tensor:
@@ -54,7 +54,11 @@ def model_sampler(model: Transformer) -> Sampler:
 
 class DecodeStep:
     """One decode step over static buffers: feed `tokens` [B] at `pos` [B], sample the next
-    token into column `col` of `out` [B, gen_len], advance. On CUDA it is captured in a graph."""
+    token into column `col` of `out` [B, gen_len], advance. On CUDA it is captured in a graph.
+
+    `first_nonfinite` [1] int64 is the first column whose token came from logits holding NaN or
+    inf (gen_len while none did): kept on the device, so a step never waits for the host; read
+    once, after the last step (argmax would otherwise turn such logits into token 0 silently)."""
 
     def __init__(self, model: Transformer, first: torch.Tensor, prompt_len: int, gen_len: int,
                  temperature: float, top_p: float, cuda_graph: bool) -> None:
@@ -66,12 +70,15 @@ class DecodeStep:
         self.out = torch.zeros(B, gen_len, dtype=torch.int64, device=dev)
         self.out[:, 0] = first
         self.col = torch.ones(1, dtype=torch.int64, device=dev)       # [1] next column of out
+        self.first_nonfinite = torch.full((1,), gen_len, dtype=torch.int64, device=dev)
         self.graph = None
         if cuda_graph and dev.type == "cuda":
             self._capture()
 
     def _step(self) -> None:
         logits = self.model.decode_step(self.tokens, self.pos)
+        bad_col = torch.where(torch.isfinite(logits).all(), self.first_nonfinite, self.col)
+        torch.minimum(self.first_nonfinite, bad_col, out=self.first_nonfinite)
         nxt = self.sampler(logits, self.temperature, self.top_p)
         self.out.index_copy_(1, self.col, nxt[:, None])
         self.tokens.copy_(nxt)
@@ -82,13 +89,14 @@ class DecodeStep:
         # Warm-up runs (allocator, NCCL communicators, Triton compilation) on a side stream, as
         # graph capture requires; each is undone so that the buffers start where they were. The
         # K/V it wrote at the first decode position is overwritten by the first real step.
-        state = [t.clone() for t in (self.tokens, self.pos, self.col)]
+        bufs = (self.tokens, self.pos, self.col, self.first_nonfinite)
+        state = [t.clone() for t in bufs]
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
             for _ in range(2):
                 self._step()
-                for t, saved in zip((self.tokens, self.pos, self.col), state):
+                for t, saved in zip(bufs, state):
                     t.copy_(saved)
         torch.cuda.current_stream().wait_stream(s)
         self.graph = torch.cuda.CUDAGraph()
@@ -133,8 +141,9 @@ def generate(model: Transformer, prompt: torch.Tensor, gen_len: int, *,
 
     The model's caches must hold P + gen_len - 1 positions. `warm_up` first runs the prefill
     calls of `warmup_spans` (timed apart: on a GPU they compile the kernels), whose cache writes
-    the real prefill overwrites, so that `prefill_s` is the warm time. `progress`
-    shows a tqdm bar on stderr when it is a terminal.
+    the real prefill overwrites, so that `prefill_s` is the warm time. `progress` shows tqdm
+    bars on stderr when it is a terminal: the prefill's (chunks done, tokens/s, time left) and
+    the decode's. Logits holding NaN or inf raise RuntimeError.
     """
     B, P = prompt.shape
     sync = _synchronizer(prompt.device)
@@ -151,10 +160,12 @@ def generate(model: Transformer, prompt: torch.Tensor, gen_len: int, *,
             warmup_s = time.perf_counter() - t0
         sync()
         t0 = time.perf_counter()
-        logits = model.prefill(prompt, positions, chunk=prefill_chunk)
+        logits = _prefill(model, prompt, positions, prefill_chunk, sync, progress)
         first = model_sampler(model)(logits, temperature, top_p)
         sync()
         prefill_s = time.perf_counter() - t0
+        if not bool(torch.isfinite(logits).all()):
+            raise _nonfinite("the prefill")
         gen = _decode(model, first, P, gen_len, temperature, top_p, cuda_graph, progress)
     gen.prefill_s, gen.warmup_s, gen.warmup_len = prefill_s, warmup_s, w
     return gen
@@ -182,6 +193,30 @@ def generate_synthetic(model: Transformer, context_len: int, gen_len: int, *, ba
         gen = _decode(model, first, context_len, gen_len, temperature, top_p, cuda_graph, progress)
     gen.fill_s = fill_s
     return gen
+
+
+def _prefill(model: Transformer, prompt: torch.Tensor, positions: torch.Tensor,
+             chunk: int | None, sync: Callable[[], None], progress: bool) -> torch.Tensor:
+    """model.prefill over the prompt, one call per chunk (the calls model.prefill would make),
+    so that a long prefill shows progress: chunks done, tokens/s, time left. Each chunk is
+    waited for, which costs nothing a prefill does not already pay (it reads its positions on
+    the host in every layer). Returns the last chunk's logits."""
+    B, P = prompt.shape
+    spans = chunk_spans(P, chunk)
+    bar = tqdm(total=B * P, desc="prefill", unit="tok", disable=None if progress else True)
+    for i, (start, end) in enumerate(spans):
+        logits = model.prefill(prompt[:, start:end], positions[start:end], chunk=chunk)
+        sync()
+        bar.set_postfix_str(f"chunk {i + 1}/{len(spans)}", refresh=False)
+        bar.update(B * (end - start))
+    bar.close()
+    return logits
+
+
+def _nonfinite(where: str) -> RuntimeError:
+    return RuntimeError(f"the model's logits hold NaN or inf from {where} on: the tokens from "
+                        "there are meaningless (argmax would make them token 0). Check the "
+                        "checkpoint, the dtype and the context length")
 
 
 def _synchronizer(device: torch.device):
@@ -214,4 +249,7 @@ def _decode(model: Transformer, first: torch.Tensor, prompt_len: int, gen_len: i
             bar.update(1)
         step_s = [b - a for a, b in zip(marks[:-1], marks[1:])]
     bar.close()
+    bad = int(step.first_nonfinite)
+    if bad < gen_len:
+        raise _nonfinite(f"decode step {bad} (of {n})")
     return Generation(step.out.cpu(), step_s)

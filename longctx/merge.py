@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from longctx.backend import use_triton_for
+from longctx.checks import check_flag, check_tensor
 
 __all__ = ["merge_states", "merge_into", "merge_states_group", "merge_states_torch", "check_lse"]
 
@@ -73,11 +74,15 @@ def check_lse(lse: torch.Tensor, name: str = "lse") -> None:
 
 def _check_values(check: bool | None, lse: torch.Tensor, name: str) -> None:
     """`check_lse` where `check` asks for it: True, or None for a CPU tensor (free to read)."""
+    if check is not None:
+        check_flag("check", check)
     if check or (check is None and not lse.is_cuda):
         check_lse(lse, name)
 
 
 def _check_pair(o: torch.Tensor, lse: torch.Tensor, o_name: str, lse_name: str) -> None:
+    check_tensor(o_name, o)
+    check_tensor(lse_name, lse)
     if o.dim() < 2 or lse.shape != o.shape[:-1]:
         raise ValueError(
             f"{lse_name} must have the shape of {o_name} without its last (head_dim) dim: "

@@ -46,7 +46,8 @@ def reference_attention(
 
     Returns:
         o [B, Sq, Hq, D] in q's dtype (compute_dtype if that is float64), and
-        lse [B, Hq, Sq] natural log, float32 (float64 if computed in float64).
+        lse [B, Sq, Hq] (o's shape without head_dim, as everywhere in longctx) natural log,
+        float32 (float64 if computed in float64).
         Rows with no visible key give O = 0 and LSE = -inf.
     """
     B, Sq, Hq, D = q.shape
@@ -76,4 +77,4 @@ def reference_attention(
     o = rearrange(torch.matmul(p.to(dt), vf), "b h s d -> b s h d")
     out_dtype = dt if dt == torch.float64 else q.dtype
     lse_dtype = torch.float64 if dt == torch.float64 else torch.float32
-    return o.to(out_dtype), lse.to(lse_dtype)
+    return o.to(out_dtype), rearrange(lse, "b h s -> b s h").to(lse_dtype).contiguous()

@@ -76,6 +76,13 @@ class RandomWeights:
         out.copy_(region)
 
 
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"model.checkpoint: {path} is not readable JSON ({e})") from e
+
+
 class HFCheckpoint:
     """A Hugging Face Llama or Qwen2 checkpoint directory: config.json (ModelArgs.from_hf_config
     says what it accepts), model.safetensors or shards listed in model.safetensors.index.json,
@@ -88,10 +95,12 @@ class HFCheckpoint:
         config = self.path / "config.json"
         if not config.is_file():
             raise ValueError(f"model.checkpoint: {self.path} has no config.json")
-        self.tied = bool(json.loads(config.read_text()).get("tie_word_embeddings", False))
+        self.tied = bool(_read_json(config).get("tie_word_embeddings", False))
         index = self.path / "model.safetensors.index.json"
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            weight_map = _read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ValueError(f"model.checkpoint: {index} has no weight_map")
             self.files = {k: self.path / f for k, f in weight_map.items()}
         elif (self.path / "model.safetensors").is_file():
             with self._open(self.path / "model.safetensors") as f:
@@ -115,7 +124,11 @@ class HFCheckpoint:
     def _open(self, file: Path):
         from safetensors import safe_open
 
-        return safe_open(str(file), framework="pt", device="cpu")
+        try:
+            return safe_open(str(file), framework="pt", device="cpu")
+        except Exception as e:  # safetensors' own error type (corrupt, truncated) or OSError
+            raise ValueError(f"model.checkpoint: {file} is not a readable safetensors file "
+                             f"({e})") from e
 
     def read(self, name: str, full_shape: tuple[int, ...], shard: Shard | None,
              out: torch.Tensor) -> None:

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from longctx.attention import attention, attention_merge_into
 from longctx.backend import use_triton_for
-from longctx.checks import check_attention_inputs
+from longctx.checks import check_attention_inputs, check_flag
 from longctx.parallel.process_group import all_gather_ints, global_rank, rank_and_world
 
 __all__ = ["LAYOUTS", "ring_attention", "shard_sequence", "unshard_sequence", "shard_chunks"]
@@ -82,8 +82,8 @@ def shard_sequence(
     """This rank's shard of a full sequence `x` (the same tensor on every rank).
 
     Args:
-        x: any tensor whose dim `dim` is the sequence, e.g. q/k/v [B, S, H, D] or lse [B, H, S]
-            (dim=-1); S divisible by W (contiguous) or 2W (zigzag).
+        x: any tensor whose dim `dim` is the sequence, e.g. q/k/v [B, S, H, D] or lse [B, S, H];
+            S divisible by W (contiguous) or 2W (zigzag).
         group: the process group (None: the world).
         layout: "zigzag" or "contiguous".
 
@@ -287,10 +287,12 @@ def ring_attention(
 
     Returns:
         o [B, S_local, Hq, D] in q's dtype, this rank's output shard in `layout`; with return_lse
-        also lse [B, Hq, S_local] float32 (float64 for float64 inputs), natural log. With one
+        also lse [B, S_local, Hq] float32 (float64 for float64 inputs), natural log. With one
         rank (or no process group initialised) this is `longctx.attention`.
     """
     check_attention_inputs(q, k, v, softmax_scale)
+    check_flag("causal", causal)
+    check_flag("return_lse", return_lse)
     _check_layout(layout)
     if k.shape[1] != q.shape[1]:
         raise ValueError(f"q and k must hold the same local sequence length: q.shape[1] is "
@@ -340,4 +342,4 @@ def ring_attention(
     o = o_acc.to(q.dtype)
     if not return_lse:
         return o
-    return o, lse_acc.transpose(1, 2).contiguous()
+    return o, lse_acc

@@ -32,16 +32,6 @@ from longctx.parallel.ring import ring_attention, shard_chunks, shard_sequence
 LAYOUT = "zigzag"  # ring prefill's layout: rank r holds chunks r and 2sp-1-r (balanced causal work)
 
 
-def check_sp_chunk(chunk: int | None, sp: int) -> int | None:
-    """A prefill chunk size usable with sp ranks: None (the whole prompt) or a multiple of 2 sp,
-    so that every chunk splits evenly in the zigzag layout. ValueError naming prefill_chunk."""
-    chunk = check_chunk(chunk)
-    if chunk is not None and chunk % (2 * sp):
-        raise ValueError(f"prefill_chunk ({chunk}) must be a multiple of 2 x parallel.sp "
-                         f"({2 * sp}): each chunk is split in 2 sp equal pieces")
-    return chunk
-
-
 class SequenceParallelKVCache(KVCache):
     """This rank's shard of a layer's KV cache: k_cache, v_cache [B, ceil(S_max / sp) + 1, Hkv, D].
 
@@ -85,7 +75,7 @@ class SequenceParallelKVCache(KVCache):
                                 return_lse=True)
         o_parts, lse_parts = self._attend_cached(q, off)
         o_parts[0] = o  # part 0 is this rank's own (a); parts 1..sp the cached shards (b)
-        lse_parts[0] = lse.transpose(1, 2)
+        lse_parts[0] = lse
         return merge_states(o_parts, lse_parts, check=False)[0]
 
     def _attend_cached(self, q: torch.Tensor, off: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,11 +90,11 @@ class SequenceParallelKVCache(KVCache):
         # [sp, B, s] -> [B, sp * s] rows (a copy for B > 1): every query sees every cached key.
         q_all = q_all.transpose(0, 1).reshape(B, sp * s, hq, D)
         o, lse = attention(q_all, self.k_cache[:, :off], self.v_cache[:, :off], causal=False,
-                           return_lse=True)  # [B, sp * s, Hq, D], [B, Hq, sp * s]
+                           return_lse=True)  # [B, sp * s, Hq, D], [B, sp * s, Hq]
         del q_all
         # Rows of rank r's queries go back to rank r: send [sp, B, s, ...], receive parts 1..sp.
         o_send = o.view(B, sp, s, hq, D).transpose(0, 1).contiguous()
-        lse_send = lse.view(B, hq, sp, s).permute(2, 0, 3, 1).contiguous()  # [sp, B, s, Hq]
+        lse_send = lse.view(B, sp, s, hq).transpose(0, 1).contiguous()  # [sp, B, s, Hq]
         del o, lse
         o_parts = torch.empty(1 + sp, B, s, hq, D, dtype=q.dtype, device=q.device)
         lse_parts = torch.empty(1 + sp, B, s, hq, dtype=lse_send.dtype, device=q.device)
@@ -159,7 +149,7 @@ def apply_sequence_parallel(model: Transformer, group) -> None:
 
     def prefill(tokens: torch.Tensor, input_pos: torch.Tensor,
                 chunk: int | None = None) -> torch.Tensor:
-        chunk = check_sp_chunk(chunk, sp)
+        chunk = check_chunk(chunk, sp)
         B, P = tokens.shape
         first = int(input_pos[0]) if P and input_pos.shape == (P,) else -1
         if first < 0 or first % (2 * sp):

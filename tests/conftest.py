@@ -1,28 +1,58 @@
-"""Test harness: Triton kernels run under the Triton interpreter when there is no GPU.
+"""Two pytest processes, as in Triton's own repository; `make test` runs both, on any machine.
 
-TRITON_INTERPRET must be set before any @triton.jit function is defined, so it is set here at
-import time, before the test modules import longctx.kernels.
+- The main process (`pytest`): torch-only tests, and tests marked `gpu` where CUDA is (skipped,
+  visibly, where it is not).
+- The interpreter process (`TRITON_INTERPRET=1 pytest`): only tests marked `interpreter`, which
+  run the Triton kernels on CPU tensors under the Triton interpreter. The GPUs are hidden from it,
+  so it is the same run on a GPU host as on a CPU-only one.
+
+A test marked both runs in both: its kernels get `device` (the fixture) / `tests.env.DEVICE`,
+"cuda" in the main process, "cpu" in the interpreter. Tests the other process runs are
+deselected (counted as such), never skipped or returned from early.
+
+TRITON_INTERPRET is read once, when longctx and Triton are imported (a @triton.jit kernel is
+compiled or interpreted from its definition on), so it is set on the command line, not here.
 """
 
 import os
 
-import torch
-
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
+if os.environ.get("TRITON_INTERPRET") == "1":
+    # Before torch initialises CUDA: code that picks CUDA where it exists (a test, a spawned
+    # rank) must see the CPU-only machine the interpreter process stands for.
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
 
-HAS_CUDA = torch.cuda.is_available()
+from tests.env import DEVICE, HAS_CUDA, INTERPRET  # noqa: E402
+
+
+def pytest_report_header(config) -> str:
+    if INTERPRET:
+        return "longctx: interpreter process: `interpreter` tests, Triton kernels on CPU tensors"
+    return (f"longctx: main process (CUDA: {'yes' if HAS_CUDA else 'no'}); `interpreter` tests run "
+            "in `TRITON_INTERPRET=1 pytest` (make test runs both)")
 
 
 def pytest_collection_modifyitems(config, items):
-    if HAS_CUDA:
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device (gpu marker); this machine has none")
+    keep, drop = [], []
+    no_cuda = pytest.mark.skip(reason="needs a CUDA device (gpu marker); this machine has none")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        gpu, interp = "gpu" in item.keywords, "interpreter" in item.keywords
+        if "device" in item.fixturenames and not (gpu and interp):
+            raise pytest.UsageError(f"{item.nodeid} takes the `device` fixture: mark it both "
+                                    "gpu and interpreter (it runs in both processes)")
+        if INTERPRET:
+            (keep if interp else drop).append(item)
+        elif interp and not (gpu and HAS_CUDA):
+            drop.append(item)  # the interpreter process runs it
+        else:
+            if gpu and not HAS_CUDA:
+                item.add_marker(no_cuda)
+            keep.append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
 
 
 @pytest.fixture(autouse=True)
@@ -32,5 +62,6 @@ def _seed():
 
 @pytest.fixture
 def device() -> str:
-    """Where kernel tests run: the GPU if there is one, else the CPU under the interpreter."""
-    return "cuda" if HAS_CUDA else "cpu"
+    """Where a test marked both gpu and interpreter runs its kernels: "cuda" in the main process,
+    "cpu" (the interpreter) in the interpreter process."""
+    return DEVICE

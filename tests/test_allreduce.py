@@ -14,7 +14,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from longctx.backend import interpreter_active
 from tests.dist_utils import run_distributed
 
 N = 40  # a row width that is not a power of two: masked lanes
@@ -170,11 +169,7 @@ def _stale_worker(rank, world, tmp, dtype_name, result_path):
             f.write(repr(err))
 
 
-needs_interpreter = pytest.mark.skipif(not interpreter_active(),
-                                       reason="runs the kernels on CPU tensors (Triton interpreter)")
-
-
-@needs_interpreter
+@pytest.mark.interpreter
 @pytest.mark.parametrize("world, dtype", [(2, "float16"), (3, "float32")])
 def test_push_all_reduce_matches_torch(tmp_path, world, dtype):
     run_distributed(_worker, world, str(tmp_path), dtype)
@@ -193,17 +188,17 @@ def test_make_all_reduce_kinds():
         make_all_reduce(None, torch.device("cpu"), torch.float32, 8, "torch")
 
 
-@needs_interpreter
+@pytest.mark.interpreter
 def test_gemv_push_then_fused_norm(tmp_path):
     run_distributed(_gemv_worker, 2, str(tmp_path), "float16")
 
 
-@needs_interpreter
+@pytest.mark.interpreter
 def test_tp2_model_with_push_sums_matches_gloo(tmp_path):
     run_distributed(_model_worker, 2, str(tmp_path))
 
 
-@needs_interpreter
+@pytest.mark.interpreter
 def test_a_stale_read_is_caught(tmp_path):
     result = tmp_path / "err"
     run_distributed(_stale_worker, 2, str(tmp_path), "float16", str(result))

@@ -14,7 +14,7 @@ def test_attention_matches_reference_and_returns_lse():
     o = longctx.attention(q, k, v, causal=True, q_start=4)
     o2, lse = longctx.attention(q, k, v, causal=True, q_start=4, return_lse=True)
     ro, rlse = reference_attention(q.double(), k.double(), v.double(), causal=True, q_start=4)
-    assert o.shape == q.shape and o.dtype == q.dtype and lse.shape == (2, 6, 9)
+    assert o.shape == q.shape and o.dtype == q.dtype and lse.shape == (2, 9, 6)
     assert lse.dtype == torch.float32
     torch.testing.assert_close(o, ro.float(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(o2, o)
@@ -75,13 +75,13 @@ def test_varlen_reference_path_matches_padded():
     qs = torch.tensor([2, 0, 0])
     o, lse = longctx.attention(q, k, v, causal=True, q_start=qs, cu_seqlens_q=cu_q,
                                cu_seqlens_k=cu_k, return_lse=True)
-    assert o.shape == q.shape and lse.shape == (Hq, q.shape[0])
+    assert o.shape == q.shape and lse.shape == (q.shape[0], Hq)
     for b in range(3):
         sq, sk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
         ob, lb = longctx.attention(q[None, sq], k[None, sk], v[None, sk], causal=True,
                                    q_start=int(qs[b]), return_lse=True)
         torch.testing.assert_close(o[sq], ob[0])
-        torch.testing.assert_close(lse[:, sq], lb[0])
+        torch.testing.assert_close(lse[sq], lb[0])
 
 
 def test_varlen_rejects_bad_cu_seqlens():
@@ -100,3 +100,149 @@ def test_varlen_rejects_bad_cu_seqlens():
     with pytest.raises(ValueError, match="varlen"):
         longctx.attention(q[None], k, k, cu_seqlens_q=good,
                           cu_seqlens_k=torch.tensor([0, 5, 12], dtype=torch.int32))
+
+
+# --------------------------------------------------------------------------- #
+# The contracts' edges: one LSE layout; options of the wrong type or value
+# --------------------------------------------------------------------------- #
+@pytest.mark.parametrize("Sq,Hq", [(4, 4), (3, 6)], ids=["Sq==Hq", "Sq!=Hq"])
+def test_attention_lse_merges_as_returned(Sq, Hq):
+    """attention's LSE is o's shape without head_dim, the layout merge_states / merge_into take:
+    the states of two key ranges merge, untransposed, into attention over all keys (Sq == Hq
+    included, where a layout mix-up would pass the shape checks)."""
+    q = torch.randn(2, Sq, Hq, 32, dtype=torch.float64)
+    k, v = torch.randn(2, 11, 2, 32, dtype=torch.float64), torch.randn(2, 11, 2, 32, dtype=torch.float64)
+    parts = [longctx.attention(q, k[:, a:e], v[:, a:e], causal=True, q_start=8, k_start=a,
+                               return_lse=True) for a, e in ((0, 5), (5, 11))]
+    o_all, lse_all = longctx.attention(q, k, v, causal=True, q_start=8, return_lse=True)
+    assert lse_all.shape == o_all.shape[:-1] == (2, Sq, Hq)
+    o, lse = longctx.merge_states(torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]))
+    torch.testing.assert_close(o, o_all, rtol=0, atol=1e-12)
+    torch.testing.assert_close(lse, lse_all, rtol=0, atol=1e-12)
+    o_acc, lse_acc = parts[0][0].clone(), parts[0][1].clone()
+    longctx.merge_into(o_acc, lse_acc, *parts[1])
+    torch.testing.assert_close(lse_acc, lse_all, rtol=0, atol=1e-12)
+    o_acc, lse_acc = torch.zeros_like(o_all), torch.full_like(lse_all, float("-inf"))
+    for a, e in ((0, 5), (5, 11)):
+        longctx.attention_merge_into(o_acc, lse_acc, q, k[:, a:e], v[:, a:e], causal=True,
+                                     q_start=8, k_start=a)
+    torch.testing.assert_close(o_acc, o_all, rtol=0, atol=1e-12)
+    torch.testing.assert_close(lse_acc, lse_all, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"causal": "no"}, r"causal must be True or False, got 'no'"),
+    ({"causal": None}, r"causal must be True or False, got None"),
+    ({"causal": 1}, r"causal must be True or False, got 1"),
+    ({"return_lse": "yes"}, r"return_lse must be True or False, got 'yes'"),
+    ({"return_lse": [True]}, r"return_lse must be True or False"),
+])
+def test_attention_rejects_options_of_the_wrong_type(kw, match):
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match=match):
+        longctx.attention(q, k, v, **kw)
+    if "causal" in kw:
+        with pytest.raises(ValueError, match=match):
+            longctx.attention_merge_into(torch.zeros_like(q), torch.zeros(q.shape[:-1]), q, k, v, **kw)
+
+
+@pytest.mark.parametrize("args,match", [
+    ((None, "k", "v"), r"q must be a torch.Tensor, got NoneType"),
+    (([1.0], "k", "v"), r"q must be a torch.Tensor, got list"),
+    (("q", None, "v"), r"k must be a torch.Tensor, got NoneType"),
+    (("q", "k", [[0.0]]), r"v must be a torch.Tensor, got list"),
+])
+def test_attention_rejects_non_tensors(args, match):
+    qkv = dict(zip("qkv", _qkv()))
+    args = [qkv[a] if isinstance(a, str) else a for a in args]
+    with pytest.raises(ValueError, match=match):
+        longctx.attention(*args)
+
+
+def test_varlen_max_seqlen_is_an_int_that_covers_every_sequence():
+    q, k = torch.randn(10, 4, 32), torch.randn(12, 2, 32)
+    cu_q = torch.tensor([0, 4, 10], dtype=torch.int32)
+    cu_k = torch.tensor([0, 5, 12], dtype=torch.int32)
+    kw = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+    for bad, match in ((2.5, r"max_seqlen_q must be an int >= 0 or None, got 2.5"),
+                       (-1, r"max_seqlen_q must be an int >= 0 or None, got -1"),
+                       (True, r"max_seqlen_q must be an int >= 0 or None, got True"),
+                       (5, r"max_seqlen_q \(5\) is less than the longest sequence in "
+                           r"cu_seqlens_q \(6\)")):
+        with pytest.raises(ValueError, match=match):
+            longctx.attention(q, k, k, max_seqlen_q=bad, max_seqlen_k=7, **kw)
+    with pytest.raises(ValueError, match=r"max_seqlen_k \(6\) is less than the longest sequence"):
+        longctx.attention(q, k, k, max_seqlen_q=6, max_seqlen_k=6, **kw)
+    with pytest.raises(ValueError, match=r"cu_seqlens_q must be a torch.Tensor, got list"):
+        longctx.attention(q, k, k, cu_seqlens_q=[0, 4, 10], cu_seqlens_k=cu_k)
+    o = longctx.attention(q, k, k, max_seqlen_q=6, max_seqlen_k=7, **kw)
+    torch.testing.assert_close(o, longctx.attention(q, k, k, **kw), rtol=0, atol=0)
+
+
+def _decode_inputs():
+    return torch.randn(2, 4, 32), torch.randn(2, 16, 2, 32), torch.randn(2, 16, 2, 32)
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"num_splits": True}, r"num_splits must be an int >= 1 or None, got True"),
+    ({"num_splits": 2.0}, r"num_splits must be an int >= 1 or None, got 2.0"),
+    ({"num_splits": 0}, r"num_splits must be an int >= 1 or None, got 0"),
+    ({"return_lse": "no"}, r"return_lse must be True or False, got 'no'"),
+    ({"cache_seqlens": [16, 16]}, r"cache_seqlens must be a torch.Tensor, got list"),
+    ({"block_table": [[0], [1]]}, r"block_table must be a torch.Tensor, got list"),
+])
+def test_decode_rejects_options_of_the_wrong_type(kw, match):
+    with pytest.raises(ValueError, match=match):
+        longctx.decode(*_decode_inputs(), **kw)
+
+
+def test_decode_rejects_non_tensors():
+    q, k, v = _decode_inputs()
+    with pytest.raises(ValueError, match=r"q must be a torch.Tensor, got NoneType"):
+        longctx.decode(None, k, v)
+    with pytest.raises(ValueError, match=r"v_cache must be a torch.Tensor, got list"):
+        longctx.decode(q, k, v.tolist())
+
+
+def test_paged_decode_without_lengths_checks_every_page_of_the_capacity():
+    """No cache_seqlens: every sequence is max_pages x page_size long, so every page id of the
+    table is read, and one out of range raises (instead of being clamped onto another page)."""
+    q = torch.randn(2, 4, 32)
+    pages = torch.randn(5, 16, 2, 32)
+    table = torch.tensor([[0, 1], [2, 5]], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"block_table holds page ids outside \[0, 5\).*full "
+                                         r"capacity 32"):
+        longctx.decode(q, pages, pages, block_table=table)
+    table[1, 1] = 4
+    full = torch.full((2,), 32, dtype=torch.int32)
+    torch.testing.assert_close(longctx.decode(q, pages, pages, block_table=table),
+                               longctx.decode(q, pages, pages, block_table=table, cache_seqlens=full))
+
+
+def test_merge_rejects_bad_check_and_non_tensors():
+    o, lse = torch.randn(3, 2, 4, 8), torch.randn(3, 2, 4)
+    for bad in ("yes", 1, []):
+        with pytest.raises(ValueError, match=r"check must be True or False"):
+            longctx.merge_states(o, lse, check=bad)
+        with pytest.raises(ValueError, match=r"check must be True or False"):
+            longctx.merge_into(o[0].clone(), lse[0].clone(), o[1], lse[1], check=bad)
+    with pytest.raises(ValueError, match=r"o must be a torch.Tensor, got list"):
+        longctx.merge_states([o[0], o[1]], lse)
+    with pytest.raises(ValueError, match=r"lse must be a torch.Tensor, got NoneType"):
+        longctx.merge_states(o, None)
+    with pytest.raises(ValueError, match=r"o_acc must be a torch.Tensor, got NoneType"):
+        longctx.merge_into(None, lse[0], o[1], lse[1])
+
+
+def test_forcing_the_kernels_onto_cpu_tensors_needs_the_interpreter():
+    """Outside the Triton interpreter a Triton kernel cannot read host memory: forcing it onto
+    CPU tensors is refused before any launch (the main test process has no interpreter)."""
+    from longctx.backend import force_triton, interpreter_active
+
+    assert not interpreter_active()
+    with pytest.raises(RuntimeError, match=r"force_triton\(\) .* only the Triton interpreter can "
+                                           r"do: set TRITON_INTERPRET=1"):
+        with force_triton():
+            pass
+    with force_triton(False):  # leaving the choice to the device is always allowed
+        assert longctx.attention(*_qkv()).shape == (2, 4, 4, 32)

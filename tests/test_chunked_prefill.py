@@ -70,6 +70,8 @@ def test_chunked_prefill_runs_one_call_per_chunk_and_the_lm_head_once():
     assert heads == [torch.Size([B, TINY.dim])]  # only the last chunk's last row
 
 
+@pytest.mark.gpu
+@pytest.mark.interpreter
 def test_chunked_prefill_on_the_kernels(device):
     """The same through the Triton kernels (the interpreter on CPU): chunk 5 of 23 positions."""
     args = ModelArgs(n_layers=1, dim=64, n_heads=4, n_kv_heads=2, head_dim=16,
@@ -153,6 +155,65 @@ def test_kv_std_is_std_times_sqrt_dim_for_random_weights():
     want = torch.full((TINY.n_kv_heads,), 0.02 * TINY.dim ** 0.5)
     torch.testing.assert_close(k_std, want, rtol=0.05, atol=0)
     torch.testing.assert_close(v_std, want, rtol=0.05, atol=0)
+
+
+def test_generate_shows_the_chunked_prefill_progress(monkeypatch):
+    """generate's prefill: one model.prefill call per chunk, the unchunked logits, and a bar that
+    counts tokens (so tqdm shows tokens/s and the time left) with the chunks done beside it."""
+    import longctx.generate as G
+
+    bars = []
+
+    class Bar:
+        def __init__(self, total, desc, unit, disable):
+            self.total, self.desc, self.n, self.notes = total, desc, 0, []
+            bars.append(self)
+
+        def set_postfix_str(self, s, refresh=True):
+            self.notes.append(s)
+
+        def update(self, n):
+            self.n += n
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(G, "tqdm", Bar)
+    model, tokens = _model(), _prompt()
+    calls = []
+    inner = model.prefill
+    model.prefill = lambda t, p, chunk: (calls.append((int(p[0]), t.shape[1])), inner(t, p, chunk))[1]
+    g = generate(model, tokens, 3, prefill_chunk=32, cuda_graph=False, progress=True)
+    assert calls == [(0, 32), (32, 32), (64, 7)]
+    prefill_bar = bars[0]
+    assert (prefill_bar.desc, prefill_bar.total, prefill_bar.n) == ("prefill", B * P, B * P)
+    assert prefill_bar.notes == ["chunk 1/3", "chunk 2/3", "chunk 3/3"]
+    assert bars[1].desc == "decode" and bars[1].n == 2
+    ref = _model()
+    with torch.no_grad():
+        first = ref.prefill(tokens, torch.arange(P)).argmax(-1)
+    assert torch.equal(g.tokens[:, 0], first)
+
+
+def test_non_finite_logits_are_reported_not_sampled():
+    """NaN / inf logits raise, naming where they began, instead of argmax turning them into
+    token 0 for the rest of the run: from the prefill, and from a decode step."""
+    model, tokens = _model(torch.float32), _prompt()
+    with torch.no_grad():
+        model.lm_head.weight[3, 0] = float("nan")
+    with pytest.raises(RuntimeError, match=r"logits hold NaN or inf from the prefill on"):
+        generate(model, tokens, 4, cuda_graph=False)
+    model = _model(torch.float32)
+    inner, steps = model.decode_step, []
+
+    def decode_step(tok, pos):
+        steps.append(1)
+        logits = inner(tok, pos)
+        return logits.fill_(float("inf")) if len(steps) >= 2 else logits
+
+    model.decode_step = decode_step
+    with pytest.raises(RuntimeError, match=r"logits hold NaN or inf from decode step 2 \(of 4\) on"):
+        generate(model, tokens, 5, cuda_graph=False)
 
 
 def test_generate_synthetic_decodes_from_the_random_cache():

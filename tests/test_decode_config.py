@@ -1,6 +1,7 @@
 """configs/decode.yaml and the model presets compose; bad configs and runs that cannot fit fail
 with messages that state the numbers."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -8,7 +9,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from longctx.config import ModelArgs, check_decode_config
+from longctx.config import ModelArgs, check_chunk, check_decode_config
 from longctx.parallel.memory import (CUDA_RESERVE, GiB, check_memory, estimate_memory,
                                      fitting_layouts, largest_context)
 from longctx.parallel.mesh import ParallelDims
@@ -102,13 +103,27 @@ def test_prefill_options():
         check_decode_config(_compose(ok))
 
 
-def test_prefill_chunk_must_split_evenly_under_sp():
-    from longctx.parallel.sequence_parallel import check_sp_chunk
-
-    assert check_sp_chunk(8192, 4) == 8192 and check_sp_chunk(0, 4) is None
+def test_prefill_chunk_must_split_evenly_under_sp_only():
+    """One validator: any positive chunk without sequence parallelism, a multiple of 2 sp with it
+    (and a synthetic prefill, which runs no chunk, takes any)."""
+    assert check_chunk(8192, 4) == 8192 and check_chunk(0, 4) is None and check_chunk(None) is None
+    assert check_chunk(7) == 7 and check_chunk(7, sp=1) == 7
     with pytest.raises(ValueError, match=r"prefill_chunk \(100\) must be a multiple of 2 x "
                                          r"parallel.sp \(8\)"):
-        check_sp_chunk(100, 4)
+        check_chunk(100, 4)
+    with pytest.raises(ValueError, match=r"prefill_chunk must be a positive integer .*got -1"):
+        check_chunk(-1, 4)
+    check_decode_config(_compose("prefill_chunk=7"))
+    check_decode_config(_compose("prefill_chunk=7", "prefill=synthetic", "parallel.sp=2"))
+
+
+def test_unknown_model_keys_are_rejected():
+    with pytest.raises(ValueError, match=r"unknown model config key\(s\): model.rope_thetaa "
+                                         r"\(model.rope_theta\?\)"):
+        check_decode_config(_compose("+model.rope_thetaa=5e5"))
+    with pytest.raises(ValueError, match=r"model.rope_thetaa"):
+        ModelArgs.from_config(dict(_compose().model, rope_thetaa=5e5))
+    assert ModelArgs.from_config(_compose().model).name == "tiny"  # checkpoint: a known key
 
 
 def test_bad_model_and_parallel_config():
@@ -167,7 +182,7 @@ def _codellama():
 
 
 def test_chunked_prefill_bounds_the_activations():
-    """The issue's case: CodeLlama-34B at batch 8 x 32k on one H200 needs ~167 GiB unchunked,
+    """CodeLlama-34B at batch 8 x 32k on one H200 needs ~167 GiB unchunked,
     mostly prefill activations; in chunks of 8192 it fits. Activations no longer grow with
     the context (on CUDA), and without a prefill (synthetic cache) they are a decode step's."""
     args = _codellama()
@@ -216,8 +231,9 @@ def test_layout_suggestions_use_the_chunked_estimate():
 @pytest.mark.parametrize("synthetic", [False, True])
 def test_largest_context(tp, sp, target, synthetic):
     """The largest context that fits is the largest whose estimate fits (the next does not); on
-    H200s it meets the issue's targets, and is within 5% of (memory - weights - reserve) / KV
-    bytes per token: with chunks, weights and KV cache set it."""
+    H200s it meets the targets (350k tokens on one, 1M at tp=2, 700k at sp=2), and is within 5%
+    of (memory - weights - reserve) / KV bytes per token: with chunks, weights and KV cache set
+    it."""
     args = _codellama()
     kw = dict(tp=tp, sp=sp, batch=1, dtype=torch.bfloat16, device_type="cuda")
     n = largest_context(args, available=H200, gen_len=64, prefill_chunk=8192, synthetic=synthetic,
@@ -254,3 +270,20 @@ def test_memory_estimate_counts_qkv_biases_and_the_dynamic_rope_rebuild():
     # Dynamic NTK rebuilds the tables before a long prompt: 3.5 tables beside the two in use.
     dynamic = dataclasses.replace(qwen, rope_scaling={"rope_type": "dynamic", "factor": 4.0})
     assert estimate_memory(dynamic, **kw).activations == est.rope * 7 // 4
+
+
+def test_readme_decode_commands_compose_as_written():
+    """Every launch/decode.py command of the README, split as a shell splits it, is a valid Hydra
+    command line (a prompt with parentheses needs Hydra's quotes inside the shell's)."""
+    import shlex
+
+    readme = (CONFIGS.parent / "README.md").read_text()
+    lines = [ln.split("#")[0] for ln in readme.splitlines() if "launch/decode.py" in ln
+             and ln.lstrip().startswith(("python", "torchrun"))]
+    assert any("quicksort" in ln for ln in lines)
+    for line in lines:
+        words = shlex.split(re.sub(r"<[^>]*>", "/ckpt", line))  # <hf llama/qwen2 dir>
+        overrides = words[words.index("launch/decode.py") + 1:]
+        cfg = _compose(*overrides)
+        if "quicksort" in line:
+            assert cfg.prompt == "def quicksort(xs):" and cfg.model.checkpoint == "/ckpt"

@@ -6,7 +6,6 @@ interpreter on CPU, compiled on a GPU."""
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
@@ -19,8 +18,8 @@ from longctx.kernels.decode import (
     flash_decode_partials, fused_counters,
 )
 from longctx.reference import reference_attention
+from tests.env import DEVICE
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def merge_partials_f64(o_part: torch.Tensor, lse_part: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,7 +33,7 @@ def reference(q, k_log, v_log, seqlens, scale, dtype=torch.float64):
     sequences give o = 0, lse = -inf."""
     o, lse = reference_attention(q[:, None], k_log, v_log, softmax_scale=scale,
                                  seqlens_k=seqlens, compute_dtype=dtype)
-    return o[:, 0], lse[..., 0].double()
+    return o[:, 0], lse[:, 0].double()
 
 
 def split_ranges(L: int, num_splits: int, block_n: int) -> list[tuple[int, int]]:
@@ -80,8 +79,8 @@ def gather_logical(pages, block_table, S):
 def check(q, k_cache, v_cache, seqlens, block_table, scale, num_splits, k_log, v_log, dtype):
     """Run the kernel, check empty-split states exactly, and compare merged result to float64."""
     o_part, lse_part = flash_decode_partials(
-        q.to(DEV), k_cache.to(DEV), v_cache.to(DEV), seqlens.to(DEV),
-        None if block_table is None else block_table.to(DEV), scale, num_splits,
+        q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), seqlens.to(DEVICE),
+        None if block_table is None else block_table.to(DEVICE), scale, num_splits,
     )
     o_part, lse_part = o_part.cpu(), lse_part.cpu()
     B, Hq, D = q.shape
@@ -91,7 +90,7 @@ def check(q, k_cache, v_cache, seqlens, block_table, scale, num_splits, k_log, v
     G = Hq // k_cache.shape[2]
     capacity = block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
     bn, _, _ = _launch_config(D, k_cache.dtype, min(max(16, triton.next_power_of_2(G)), _MAX_BLOCK_H),
-                              triton.cdiv(capacity, num_splits), torch.device(DEV))
+                              triton.cdiv(capacity, num_splits), torch.device(DEVICE))
     for b in range(B):
         for s, (lo, hi) in enumerate(split_ranges(int(seqlens[b]), num_splits, bn)):
             if lo >= hi:
@@ -138,6 +137,8 @@ CASES = [
 ]
 
 
+@pytest.mark.gpu
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("num_splits", [1, 3, 64])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"L{c[0]}-hkv{c[1]}-g{c[2]}-d{c[3]}")
@@ -158,6 +159,8 @@ PAGED_CASES = [
 ]
 
 
+@pytest.mark.gpu
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("num_splits", [1, 3, 64])
 @pytest.mark.parametrize("case", PAGED_CASES, ids=lambda c: f"L{c[0]}-hkv{c[1]}-g{c[2]}-d{c[3]}-ps{c[4]}")
@@ -183,6 +186,8 @@ FUSED_CASES = [  # (seqlens, Hkv, G, D, page size or None)
 ]
 
 
+@pytest.mark.gpu
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("num_splits", [2, 5, 64])
 @pytest.mark.parametrize("case", FUSED_CASES, ids=lambda c: f"L{c[0]}-hkv{c[1]}-g{c[2]}-d{c[3]}-ps{c[4]}")
@@ -205,6 +210,8 @@ ODD_HEAD_DIM_CASES = [
 ]
 
 
+@pytest.mark.gpu
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("num_splits", [1, 6])  # 6: more splits than any sequence's key blocks
 @pytest.mark.parametrize("case", ODD_HEAD_DIM_CASES,
@@ -225,6 +232,8 @@ def test_head_dim_not_power_of_two(case, num_splits, dtype):
               gather_logical(v, bt, S), dtype)
 
 
+@pytest.mark.gpu
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("num_splits", [2, 5])
 @pytest.mark.parametrize("case", [ODD_HEAD_DIM_CASES[0], ODD_HEAD_DIM_CASES[4]],
@@ -244,14 +253,14 @@ def run_fused_merge(case, num_splits, dtype):
     if bt is not None:
         k_log, v_log = gather_logical(k, bt, S), gather_logical(v, bt, S)
     seqlens = torch.tensor(lens, dtype=torch.int32)
-    q, k, v, sl = q.to(DEV), k.to(DEV), v.to(DEV), seqlens.to(DEV)
-    bt = None if bt is None else bt.to(DEV)
+    q, k, v, sl = q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), seqlens.to(DEVICE)
+    bt = None if bt is None else bt.to(DEVICE)
     o_sep, lse_sep = flash_decode(q, k, v, sl, bt, D ** -0.5, num_splits, merge="separate")
     launch = _split_launch(q, k, v, sl, bt, D ** -0.5, num_splits, torch.float32,
                            fused_merge=True)
-    counters = torch.zeros(fused_counters(q, k), dtype=torch.int32, device=DEV)
-    o_part = torch.empty(num_splits, B, Hkv * G, D, device=DEV)
-    lse_part = torch.empty(num_splits, B, Hkv * G, device=DEV)
+    counters = torch.zeros(fused_counters(q, k), dtype=torch.int32, device=DEVICE)
+    o_part = torch.empty(num_splits, B, Hkv * G, D, device=DEVICE)
+    lse_part = torch.empty(num_splits, B, Hkv * G, device=DEVICE)
     for _ in range(2):  # the second launch finds the counters zero again
         o, lse = torch.full_like(o_sep, float("nan")), torch.full_like(lse_sep, float("nan"))
         launch.generic(q, k, v, sl, sl if bt is None else bt, o_part, lse_part, o, lse, counters)
@@ -288,6 +297,8 @@ def test_fuse_merge_rule(monkeypatch):
         assert (plan.counters > 0) == fused and (plan.merge is None) == (splits == 1 or fused)
 
 
+@pytest.mark.gpu
+@pytest.mark.interpreter
 def test_group16_and_strided_q():
     """G=16 (BLOCK_H == G), non-contiguous q ([Hq,B,D] transposed) and a non-default scale."""
     gen = torch.Generator().manual_seed(3)
@@ -301,6 +312,8 @@ def test_group16_and_strided_q():
     check(q, k, v, seqlens, None, 0.3, 3, k, v, dtype)
 
 
+@pytest.mark.gpu
+@pytest.mark.interpreter
 def test_strided_cache_view():
     """Cache that is a view of a bigger buffer (e.g. fused KV / larger S_max): strides honoured."""
     gen = torch.Generator().manual_seed(4)
@@ -313,15 +326,19 @@ def test_strided_cache_view():
     check(q, k, v, seqlens, None, D ** -0.5, 2, k, v, dtype)
 
 
+@pytest.mark.gpu
+@pytest.mark.interpreter
 def test_all_empty():
     gen = torch.Generator().manual_seed(5)
     q, k, v = make_inputs(2, 1, 3, 64, 8, torch.float32, gen)
-    seqlens = torch.zeros(2, dtype=torch.int32, device=DEV)
-    o_part, lse_part = flash_decode_partials(q.to(DEV), k.to(DEV), v.to(DEV), seqlens, None, 0.125, 4)
+    seqlens = torch.zeros(2, dtype=torch.int32, device=DEVICE)
+    o_part, lse_part = flash_decode_partials(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), seqlens, None, 0.125, 4)
     assert torch.all(o_part == 0)
     assert torch.all(lse_part == -math.inf)
 
 
+@pytest.mark.gpu
+@pytest.mark.interpreter
 def test_large_scores_no_overflow():
     """Big logits (scale 1, |q.k| ~ hundreds) must stay finite and accurate in fp32."""
     gen = torch.Generator().manual_seed(6)
@@ -364,6 +381,8 @@ def test_launch_config_by_gpu(monkeypatch):
         assert _launch_config(128, torch.float16, 16, 256, dev) == (64, 4, 2)
 
 
+@pytest.mark.gpu
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 def test_large_group_head_blocks(dtype):
     """G=80 > _MAX_BLOCK_H: query heads are spread over 2 head-block programs (64 + 16 rows)."""
@@ -374,6 +393,8 @@ def test_large_group_head_blocks(dtype):
     check(q, k, v, seqlens, None, D ** -0.5, 2, k, v, dtype)
 
 
+@pytest.mark.gpu
+@pytest.mark.interpreter
 def test_group6_d256_paged():
     """G=6 and head_dim 256 with a paged cache (BLOCK_N <= page_size path for fp32)."""
     gen = torch.Generator().manual_seed(8)
@@ -389,7 +410,8 @@ def test_group6_d256_paged():
 _NP_MAJOR_MINOR = tuple(int(x) for x in __import__("numpy").__version__.split(".")[:2])
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or _NP_MAJOR_MINOR >= (2, 4),
+@pytest.mark.interpreter
+@pytest.mark.skipif(_NP_MAJOR_MINOR >= (2, 4),
                     reason="for-loop path under the interpreter needs numpy < 2.4")
 @pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 @pytest.mark.parametrize("paged", [False, True], ids=["contig", "paged"])
@@ -411,20 +433,22 @@ def test_gpu_for_loop_path(monkeypatch, paged):
         check(q, k_log, v_log, seqlens, None, D ** -0.5, 3, k_log, v_log, dtype)
 
 
+@pytest.mark.gpu
+@pytest.mark.interpreter
 def test_invalid_lengths_and_pages_give_nan_not_garbage():
     # The CUDA path cannot raise without a host sync: the kernel flags the sequence with NaN.
     B, S, Hq, Hkv, D = 3, 64, 4, 2, 64
-    q = torch.randn(B, Hq, D, device=DEV, dtype=torch.float16)
-    k = torch.randn(B, S, Hkv, D, device=DEV, dtype=torch.float16)
-    seqlens = torch.tensor([64, 65, -1], dtype=torch.int32, device=DEV)
+    q = torch.randn(B, Hq, D, device=DEVICE, dtype=torch.float16)
+    k = torch.randn(B, S, Hkv, D, device=DEVICE, dtype=torch.float16)
+    seqlens = torch.tensor([64, 65, -1], dtype=torch.int32, device=DEVICE)
     for splits, merge in ((1, "auto"), (3, "fused"), (3, "separate")):
         o, lse = flash_decode(q, k, k, seqlens, None, D**-0.5, splits, merge)
         assert torch.isfinite(o[0]).all() and torch.isnan(o[1:]).all() and torch.isnan(lse[1:]).all()
     pages = k.view(B * 4, 16, Hkv, D)
-    table = torch.arange(B * 4, dtype=torch.int32, device=DEV).view(B, 4)
+    table = torch.arange(B * 4, dtype=torch.int32, device=DEVICE).view(B, 4)
     table[1, 2] = B * 4  # out of range, within the length
     table[2, 3] = -5     # out of range, past the length: never read, harmless
-    seqlens = torch.tensor([64, 64, 40], dtype=torch.int32, device=DEV)
+    seqlens = torch.tensor([64, 64, 40], dtype=torch.int32, device=DEVICE)
     for merge in ("fused", "separate"):
         o, lse = flash_decode(q, pages, pages, seqlens, table, D**-0.5, 2, merge)
         assert torch.isnan(o[1]).all() and torch.isnan(lse[1]).all()

@@ -15,6 +15,7 @@ import importlib
 
 import pytest
 import torch
+import triton
 from triton import knobs
 from triton._C.libtriton import native_specialize_impl
 from triton.backends.compiler import GPUTarget
@@ -75,6 +76,7 @@ def interp_fast(monkeypatch):
     """The public entry points take their fast path on CPU tensors (kernels in the interpreter)."""
     rec = _Recorder()
     monkeypatch.setattr(L, "_INTERPRET", False)
+    monkeypatch.setattr(L, "_internals_ok", True)  # the recorder below stands in for them
     monkeypatch.setattr(L, "current_device", lambda: 0)
     monkeypatch.setattr(L, "_stream", lambda device: 0)
     monkeypatch.setattr(L, "_capturing", lambda: False)
@@ -150,6 +152,7 @@ def _triton_bound(launch: L.Launch, dyn: tuple):
     return tuple(bound.values()), spec
 
 
+@pytest.mark.interpreter
 def test_fast_arguments_are_tritons_bound_arguments(interp_fast, monkeypatch):
     """For every kernel the public calls launch: the tuple the fast path passes the launcher is
     Triton's bound argument list, and calls with equal plan key and spec_code specialise the same."""
@@ -203,6 +206,7 @@ def _paged(k, v, page):
     return kp, vp, perm.view(B, S // page).to(torch.int32)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("lengths", [[40, 0, 17], None])
 @pytest.mark.parametrize("num_splits", [1, 3])
@@ -227,6 +231,7 @@ def test_decode_fast_matches_generic(interp_fast, monkeypatch, paged, lengths, n
     assert len(interp_fast.fetches) == n_kernels and len(interp_fast.launches) == 2 * n_kernels
 
 
+@pytest.mark.interpreter
 def test_decode_fast_matches_reference_with_4d_q_and_full_default(interp_fast):
     B, S, Hq, Hkv, D = 2, 33, 4, 1, 16
     q = torch.randn(B, 1, Hq, D)
@@ -235,11 +240,12 @@ def test_decode_fast_matches_reference_with_4d_q_and_full_default(interp_fast):
     ro, rlse = longctx.reference_attention(q.to(F64), k.to(F64), v.to(F64))
     assert o.shape == q.shape
     torch.testing.assert_close(o.to(F64), ro, rtol=0, atol=1e-5)
-    torch.testing.assert_close(lse.to(F64), rlse[..., 0], rtol=0, atol=1e-5)
+    torch.testing.assert_close(lse.to(F64), rlse[:, 0], rtol=0, atol=1e-5)
     full = torch.full((B,), S, dtype=torch.int32)  # the default is the capacity
     _same((o, lse), longctx.decode(q, k, v, cache_seqlens=full, num_splits=4, return_lse=True))
 
 
+@pytest.mark.interpreter
 def test_decode_changed_signature_takes_a_new_plan(interp_fast):
     """Only one thing changes per call (stride, dtype, shape, alignment): a new plan or binary
     each time, and every output equals the generic path's."""
@@ -272,6 +278,7 @@ def test_decode_changed_signature_takes_a_new_plan(interp_fast):
     assert codes == [1]  # q (argument 0) unaligned
 
 
+@pytest.mark.interpreter
 def test_decode_fast_path_still_validates(interp_fast):
     q = torch.randn(2, 4, 16)
     k = torch.randn(2, 8, 2, 16)
@@ -287,6 +294,7 @@ def test_decode_fast_path_still_validates(interp_fast):
     assert not api_decode._PLANS and not interp_fast.fetches
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("offsets", ["int", "tensor", "huge"])
 def test_attention_fast_matches_generic(interp_fast, causal, offsets):
@@ -301,6 +309,7 @@ def test_attention_fast_matches_generic(interp_fast, causal, offsets):
     assert len(api_attention._PLANS) == 1 and len(interp_fast.fetches) == 1
 
 
+@pytest.mark.interpreter
 def test_attention_int_offsets_of_other_range_take_another_binary(interp_fast):
     q = torch.randn(1, 20, 2, 16, dtype=torch.float16)
     k = torch.randn(1, 20, 2, 16, dtype=torch.float16)
@@ -311,6 +320,7 @@ def test_attention_int_offsets_of_other_range_take_another_binary(interp_fast):
     assert [c for _, c in interp_fast.fetches] == [0, (1 << 10) | (1 << 12)]  # Q/K_START int64
 
 
+@pytest.mark.interpreter
 def test_attention_varlen_and_merge_into_fast_match_generic(interp_fast):
     lens_q, lens_k = [3, 0, 20], [5, 1, 20]
     q = torch.randn(sum(lens_q), 4, 16)
@@ -330,6 +340,7 @@ def test_attention_varlen_and_merge_into_fast_match_generic(interp_fast):
     assert len(api_attention._MERGE_PLANS) == 1
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("layout", ["contiguous", "strided"])
 def test_merge_fast_matches_generic(interp_fast, layout):
     o = torch.randn(5, 3, 4, 16)
@@ -346,6 +357,7 @@ def test_merge_fast_matches_generic(interp_fast, layout):
     _same(acc[0], acc[1])
 
 
+@pytest.mark.interpreter
 def test_merge_checks_values_only_where_free(interp_fast):
     o, lse = torch.randn(2, 3, 4, 16), torch.randn(2, 3, 4)
     lse[0, 1, 2] = float("nan")
@@ -355,6 +367,7 @@ def test_merge_checks_values_only_where_free(interp_fast):
 
 
 # ----------------------------------------------------------------------- switches and bounds
+@pytest.mark.interpreter
 def test_fast_launch_switches(interp_fast):
     q = torch.randn(1, 2, 16)
     k = torch.randn(1, 8, 1, 16)
@@ -372,12 +385,37 @@ def test_fast_launch_switches(interp_fast):
     assert L.fast_launch_active()
 
 
+@pytest.mark.interpreter
 def test_plan_cache_is_bounded(interp_fast, monkeypatch):
     monkeypatch.setattr(L, "MAX_PLANS", 3)
     k = torch.randn(1, 8, 1, 16)
     for b in range(5):
         longctx.decode(torch.randn(1, 2, 16), k, k, num_splits=1, softmax_scale=0.1 + b)
         assert len(api_decode._PLANS) == b % 3 + 1
+
+
+def test_launch_internals_are_checked_once_and_a_difference_logged_once(monkeypatch, caplog):
+    """Where Triton's internals differ, every launch takes Triton's own path, said in one line."""
+    monkeypatch.setattr(L, "_INTERPRET", False)
+    monkeypatch.setattr(L, "_internals_ok", None)
+    calls = []
+    monkeypatch.setattr(L, "launch_internals_differ", lambda: calls.append(1) or "no such launcher")
+    with caplog.at_level("WARNING", logger=L.__name__):
+        assert not L.fast_launch_active() and not L.fast_launch_active()
+    assert len(calls) == 1
+    (record,) = caplog.records
+    assert "no such launcher" in record.getMessage() and "Triton's own path" in record.getMessage()
+
+
+def test_launch_internals_of_the_installed_triton():
+    """Triton 3.6's internals are the fast path's; Triton 3.9 replaced the per-kernel C launcher,
+    so there the fast path steps aside (and says why)."""
+    version = tuple(int(x) for x in triton.__version__.split(".")[:2])
+    why = L.launch_internals_differ()
+    if version == (3, 6):
+        assert why is None
+    elif version >= (3, 9):
+        assert why is not None and "make_launcher" in why
 
 
 def test_stream_counters_reuse_growth_and_capture(monkeypatch):

@@ -1,6 +1,7 @@
 """The Llama model against Hugging Face transformers, checkpoint loading, and sampling."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -53,6 +54,37 @@ def test_checkpoint_errors(tmp_path):
         ModelArgs.from_hf_config(tmp_path / "config.json")
 
 
+def test_corrupt_checkpoint_files_are_named(tmp_path):
+    """A truncated or corrupted safetensors file, shard or JSON file: ValueError naming it."""
+    from tests.checkpoint_utils import write_checkpoint
+
+    args = ModelArgs(n_layers=1, dim=64, n_heads=4, n_kv_heads=2, head_dim=16,
+                     intermediate_size=96, vocab_size=64)
+    write_checkpoint(tmp_path, args)
+    weights = tmp_path / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])  # truncated
+    with pytest.raises(ValueError, match=f"{re.escape(str(weights))} is not a readable safetensors file"):
+        HFCheckpoint(tmp_path)
+    weights.write_bytes(b"\x00not a checkpoint" * 8)  # corrupted
+    with pytest.raises(ValueError, match=f"{re.escape(str(weights))} is not a readable safetensors file"):
+        HFCheckpoint(tmp_path)
+    # Shards: the index names a file that is damaged, read when its tensors are.
+    weights.write_bytes(data)
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"model.norm.weight": "shard-2.safetensors"}}))
+    ckpt = HFCheckpoint(tmp_path)
+    (tmp_path / "shard-2.safetensors").write_bytes(data[:100])
+    with pytest.raises(ValueError, match=re.escape(f"{tmp_path / 'shard-2.safetensors'} is not a readable")):
+        ckpt.read("norm.weight", (64,), None, torch.empty(64))
+    index.write_text("{not json")
+    with pytest.raises(ValueError, match=re.escape(f"{index} is not readable JSON")):
+        HFCheckpoint(tmp_path)
+    (tmp_path / "config.json").write_text("")
+    with pytest.raises(ValueError, match=re.escape(f"{tmp_path / 'config.json'} is not readable JSON")):
+        HFCheckpoint(tmp_path)
+
+
 @pytest.mark.parametrize("name,full", [("layers.0.mlp.up_proj.weight", (200, 70)),
                                        ("layers.0.mlp.down_proj.weight", (70, 200))])
 def test_random_weights_any_slice_equals_the_slice_of_the_whole(name, full):
@@ -98,6 +130,8 @@ def _small_model(device, batch=2, max_seq_len=40, n_heads=4):
                        batch=batch, max_seq_len=max_seq_len)
 
 
+@pytest.mark.gpu
+@pytest.mark.interpreter
 def test_model_on_the_kernels_matches_the_reference_path(device):
     """Prefill (in two chunks: the second attends to the cache) and decode through the Triton
     kernels (the interpreter on CPU) give the logits of the CPU reference path."""
@@ -124,6 +158,8 @@ def test_model_on_the_kernels_matches_the_reference_path(device):
         torch.testing.assert_close(g, w, **tol)
 
 
+@pytest.mark.gpu
+@pytest.mark.interpreter
 @pytest.mark.parametrize("n_heads", [4, 6])  # GQA groups 2 and 3
 def test_decode_fuses_rope_and_kv_store(n_heads, device, monkeypatch):
     """A decode step through the kernels launches one kernel per layer for RoPE and the KV store

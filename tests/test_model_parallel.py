@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from longctx.backend import force_triton, interpreter_active
+from longctx.backend import force_triton
 from longctx.config import ModelArgs
 from longctx.generate import generate
 from longctx.parallel.build import build_model
@@ -118,9 +118,12 @@ def _world_of_2(rank, world, mqa_checkpoint):
     _continued_prefill(tiny(2), sp_mesh)
     for context_len in (11, 1):
         _compare_synthetic(tiny(2), sp_mesh, context_len)
-    if interpreter_active():  # the same through the Triton kernels: attention, decode, merge
-        with force_triton():
-            _compare(tiny(2), sp_mesh, chunk=4)
+
+
+def _sp2_on_the_kernels(rank, world):
+    torch.set_num_threads(1)
+    with force_triton():  # the Triton kernels (interpreter): attention, decode, merge
+        _compare(tiny(2), ParallelDims(1, 2, world).build_mesh("cpu"), chunk=4)
 
 
 def _world_of_4(rank, world):
@@ -135,6 +138,11 @@ def _world_of_4(rank, world):
 def test_tp2_and_sp2_match_one_process(tmp_path):
     write_checkpoint(tmp_path, tiny(1), seed=3)
     run_distributed(_world_of_2, 2, str(tmp_path))
+
+
+@pytest.mark.interpreter
+def test_sp2_on_the_kernels_matches_one_process():
+    run_distributed(_sp2_on_the_kernels, 2)
 
 
 def test_tp2_x_sp2_and_tp4_match_one_process():

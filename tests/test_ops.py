@@ -6,8 +6,9 @@ import torch
 
 from longctx import ops
 from longctx.backend import force_triton
+from tests.env import DEVICE
 
-HALF = [torch.float16] + ([torch.bfloat16] if torch.cuda.is_available() else [])
+HALF = [torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 
 
 def _cpu(fn, *args):
@@ -30,6 +31,8 @@ def _tol(dtype):
     return dict(rtol=1e-6, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.gpu
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, *HALF])
 @pytest.mark.parametrize("shape,scale", [((3, 200), 3.0), ((2, 1, 1024), 3.0), ((1, 8192), 3.0),
                                          ((4, 96), 3e-3)])  # tiny x: eps matters
@@ -48,6 +51,8 @@ def _rope_fp64(x, cos, sin, pos):
     return x * c + torch.cat((-x2, x1), dim=-1) * s
 
 
+@pytest.mark.gpu
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, *HALF])
 @pytest.mark.parametrize("B,S,H,D,decode", [(2, 5, 3, 64, False), (3, 1, 20, 128, True),
                                             (2, 5, 3, 96, False), (3, 1, 5, 40, True),
@@ -78,6 +83,8 @@ def test_rope(dtype, B, S, H, D, decode, device):
         torch.testing.assert_close(results[1][0], qkv[0, :, :H], rtol=0, atol=0)
 
 
+@pytest.mark.gpu
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, *HALF])
 def test_silu_mul(dtype, device):
     gate_up = (torch.randn(3, 1, 2 * 2500, device=device) * 4).to(dtype)
@@ -88,6 +95,8 @@ def test_silu_mul(dtype, device):
     torch.testing.assert_close(got.float(), want.float(), **_tol(dtype))
 
 
+@pytest.mark.gpu
+@pytest.mark.interpreter
 @pytest.mark.parametrize("H,D", [(1, 32), (3, 32), (8, 32), (3, 40), (2, 96)])
 def test_store_kv(H, D, device):
     B, S_max = 3, 9
@@ -134,6 +143,8 @@ def _rope_store(how, qkv, kc, vc, cos, sin, pos, slot):
     return qkv, kc, vc
 
 
+@pytest.mark.gpu
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, *HALF])
 @pytest.mark.parametrize("hq,hkv,D", [(2, 2, 32), (6, 2, 32), (3, 1, 32), (20, 4, 32),
                                       (20, 4, 96), (6, 2, 40), (5, 5, 24)])  # GQA 1, 3, 3, 5
@@ -169,6 +180,8 @@ def test_rope_store_kv(dtype, hq, hkv, D, device):
     assert torch.equal(out[0], qkv[0])  # position 0 is the identity
 
 
+@pytest.mark.gpu
+@pytest.mark.interpreter
 def test_rope_store_kv_skips_slots_out_of_range(device):
     """A slot outside [0, S_max) is not written (as store_kv's kernel: the decode that follows
     flags the sequence), while q and k are still rotated; the other sequences are stored."""
@@ -225,6 +238,8 @@ def test_rope_store_kv_gpu_bf16(hq, hkv, D):
     assert torch.equal(fused[2][b, slot], qkv[:, hq + hkv:])
 
 
+@pytest.mark.gpu
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, *HALF])
 def test_rms_norm_with_residual_add(dtype, device):
     x = (torch.randn(2, 3, 300, device=device) * 3).to(dtype)
@@ -236,6 +251,8 @@ def test_rms_norm_with_residual_add(dtype, device):
     torch.testing.assert_close(y_got.float(), y_want.float(), **_tol(dtype))
 
 
+@pytest.mark.gpu
+@pytest.mark.interpreter
 @pytest.mark.parametrize("N,K", [(37, 100), (130, 700), (64, 1536)])
 def test_linear_one_row_gemv(N, K, device):
     """The batch-1 GEMV against float64, within 2x torch's error in the same dtype (odd N and K:
@@ -251,6 +268,8 @@ def test_linear_one_row_gemv(N, K, device):
     assert err <= 2 * err_plain + 1e-6, (err, err_plain)
 
 
+@pytest.mark.gpu
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("N,K", [(37, 100), (130, 2048)])
 def test_linear_one_row_gemv_with_bias(N, K, dtype, device):
@@ -272,6 +291,8 @@ def test_linear_one_row_gemv_with_bias(N, K, dtype, device):
         gemv(x, w, bias=b[:5])
 
 
+@pytest.mark.gpu
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("M,N,K,bias", [(2, 37, 100, False), (8, 130, 256, True),
                                         (16, 64, 200, False), (5, 33, 1536, True)])
@@ -294,6 +315,8 @@ def test_skinny_gemm(M, N, K, bias, dtype, device):
         skinny_gemm(torch.zeros(17, K, device=device, dtype=dtype), w)
 
 
+@pytest.mark.gpu
+@pytest.mark.interpreter
 @pytest.mark.parametrize("I,K", [(37, 100), (65, 700), (32, 1536)])
 def test_linear_silu_mul_gated_gemv(I, K, device):
     """The gated batch-1 GEMV (silu(gate) * up in its epilogue) against float64, within 2x the

@@ -16,17 +16,17 @@ from longctx.backend import force_triton
 import longctx.kernels.prefill as P
 from longctx.kernels.prefill import LAUNCH_CONFIGS, flash_attention_fwd, launch_config
 from longctx.reference import reference_attention
+from tests.env import DEVICE
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 FP32_TOL = 2e-5
-HALF = [torch.float16] if DEV == "cpu" else [torch.float16, torch.bfloat16]
+HALF = [torch.float16] if DEVICE == "cpu" else [torch.float16, torch.bfloat16]
 
 
 def ref_seq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
             q_start: int, k_start: int) -> tuple[torch.Tensor, torch.Tensor]:
     """float64 reference for one sequence: q [Sq, Hq, D], k/v [Sk, Hkv, D] ->
-    o [Sq, Hq, D], lse [Hq, Sq] (float64, on the CPU)."""
+    o [Sq, Hq, D], lse [Sq, Hq] (float64, on the CPU)."""
     o, lse = reference_attention(q[None].cpu(), k[None].cpu(), v[None].cpu(), causal=causal,
                                  softmax_scale=scale, q_start=q_start, k_start=k_start,
                                  compute_dtype=torch.float64)
@@ -44,38 +44,37 @@ def torch_half_seq(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
 
 def check(o: torch.Tensor, lse: torch.Tensor, o_ref: torch.Tensor, lse_ref: torch.Tensor,
           dtype: torch.dtype, o_half: torch.Tensor | None = None) -> None:
-    """Compare one sequence: o [Sq, Hq, D], lse [Hq, Sq] against the f64 reference.
+    """Compare one sequence: o [Sq, Hq, D], lse [Sq, Hq] against the f64 reference.
 
     fp32: absolute error < FP32_TOL. fp16/bf16: O error at most 2x that of the plain
     torch implementation in the same dtype (``o_half``) plus a tiny slack.
     """
     o, lse = o.cpu(), lse.cpu()
     assert not torch.isnan(o).any() and not torch.isnan(lse).any()
-    empty = torch.isneginf(lse_ref)  # [Hq, Sq]
+    empty = torch.isneginf(lse_ref)  # [Sq, Hq]
     assert torch.equal(torch.isneginf(lse), empty), "empty-row pattern differs"
-    empty_rows = empty.transpose(0, 1)  # [Sq, Hq]
-    assert (o[empty_rows] == 0).all(), "rows with no visible key must be exactly 0"
+    assert (o[empty] == 0).all(), "rows with no visible key must be exactly 0"
     valid = ~empty
     if not valid.any():
         return
-    o_err = (o.double() - o_ref)[~empty_rows].abs().max().item()
+    o_err = (o.double() - o_ref)[valid].abs().max().item()
     lse_err = (lse.double()[valid] - lse_ref[valid]).abs().max().item()
     if dtype == torch.float32:
         assert o_err < FP32_TOL, o_err
         assert lse_err < FP32_TOL, lse_err
     else:
         assert o_half is not None
-        t_err = (o_half.double() - o_ref)[~empty_rows].abs().max().item()
+        t_err = (o_half.double() - o_ref)[valid].abs().max().item()
         assert o_err <= 2 * t_err + 1e-4, (o_err, t_err)
         assert lse_err < 1e-4, lse_err
 
 
 def rand(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    return torch.randn(*shape, dtype=torch.float32).to(device=DEV, dtype=dtype)
+    return torch.randn(*shape, dtype=torch.float32).to(device=DEVICE, dtype=dtype)
 
 
 def ints(x: list[int], dtype: torch.dtype) -> torch.Tensor:
-    return torch.tensor(x, dtype=dtype, device=DEV)
+    return torch.tensor(x, dtype=dtype, device=DEVICE)
 
 
 def run_dense(b: int, sq: int, sk: int, hq: int, hkv: int, d: int, dtype: torch.dtype, causal: bool,
@@ -90,7 +89,7 @@ def run_dense(b: int, sq: int, sk: int, hq: int, hkv: int, d: int, dtype: torch.
     o, lse = flash_attention_fwd(q, k, v, softmax_scale=scale, causal=causal,
                                  q_start=qs_arg, k_start=ks_arg, _config=config)
     assert o.shape == (b, sq, hq, d) and o.dtype == dtype
-    assert lse.shape == (b, hq, sq) and lse.dtype == torch.float32
+    assert lse.shape == (b, sq, hq) and lse.dtype == torch.float32
     for i in range(b):
         qs = q_start[i] if isinstance(q_start, list) else q_start
         ks = k_start[i] if isinstance(k_start, list) else k_start
@@ -102,6 +101,8 @@ def run_dense(b: int, sq: int, sk: int, hq: int, hkv: int, d: int, dtype: torch.
 # --------------------------------------------------------------------------- #
 # Dense
 # --------------------------------------------------------------------------- #
+@pytest.mark.gpu
+@pytest.mark.interpreter
 @pytest.mark.parametrize("s", [1, 97, 129, 200, 257])
 @pytest.mark.parametrize("causal", [True, False])
 def test_square_fp32(s: int, causal: bool) -> None:
@@ -109,6 +110,8 @@ def test_square_fp32(s: int, causal: bool) -> None:
     run_dense(1, s, s, 2, 1, 64, torch.float32, causal, 0, 0)
 
 
+@pytest.mark.gpu
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("s,causal", [(1, True), (129, True), (200, False), (257, True)])
 def test_square_half(s: int, causal: bool, dtype: torch.dtype) -> None:
@@ -116,6 +119,8 @@ def test_square_half(s: int, causal: bool, dtype: torch.dtype) -> None:
     run_dense(1, s, s, 2, 2, 64, dtype, causal, 0, 0)
 
 
+@pytest.mark.gpu
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32] + HALF)
 @pytest.mark.parametrize("s,causal", [(97, True), (200, False)])
 def test_head_dim_128(s: int, causal: bool, dtype: torch.dtype) -> None:
@@ -123,6 +128,8 @@ def test_head_dim_128(s: int, causal: bool, dtype: torch.dtype) -> None:
     run_dense(1, s, s, 2, 1, 128, dtype, causal, 0, 0)
 
 
+@pytest.mark.gpu
+@pytest.mark.interpreter
 def test_head_dim_256() -> None:
     torch.manual_seed(8)
     run_dense(1, 40, 70, 1, 1, 256, torch.float32, True, 30, 0)
@@ -133,6 +140,8 @@ def test_head_dim_256() -> None:
 ODD_HEAD_DIMS = [24, 40, 72, 80, 96, 192]
 
 
+@pytest.mark.gpu
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32] + HALF)
 @pytest.mark.parametrize("d", ODD_HEAD_DIMS)
 def test_head_dim_not_power_of_two(d: int, dtype: torch.dtype) -> None:
@@ -143,6 +152,8 @@ def test_head_dim_not_power_of_two(d: int, dtype: torch.dtype) -> None:
     run_dense(1, 45, 29, 5, 1, d, dtype, False, 0, 0)
 
 
+@pytest.mark.gpu
+@pytest.mark.interpreter
 @pytest.mark.parametrize("d", [40, 96, 192])
 def test_head_dim_not_power_of_two_varlen(d: int) -> None:
     """Varlen chunked prefill at a padded head_dim: a 1-row, a 0-row and a ragged sequence."""
@@ -162,17 +173,23 @@ def test_head_dim_not_power_of_two_varlen(d: int) -> None:
         (129, 65, 17, 81),     # ragged, diagonal crossing tiles
     ],
 )
+@pytest.mark.gpu
+@pytest.mark.interpreter
 def test_offsets_causal(sq: int, sk: int, q_start: int, k_start: int, dtype: torch.dtype) -> None:
     torch.manual_seed(sq * 7 + sk)
     run_dense(1, sq, sk, 2, 1, 64, dtype, True, q_start, k_start)
 
 
+@pytest.mark.gpu
+@pytest.mark.interpreter
 def test_noncausal_rectangular() -> None:
     torch.manual_seed(3)
     run_dense(2, 45, 150, 2, 1, 64, torch.float32, False, 123, 7)  # offsets ignored
     run_dense(1, 150, 45, 2, 1, 64, torch.float32, False, 0, 0)
 
 
+@pytest.mark.gpu
+@pytest.mark.interpreter
 def test_tensor_offsets() -> None:
     torch.manual_seed(4)
     # per-sequence q_start (int32) and k_start (int64); includes an all-empty sequence
@@ -182,11 +199,13 @@ def test_tensor_offsets() -> None:
     # 0-dim tensor offset broadcasts over the batch
     q, k, v = rand(2, 20, 2, 64), rand(2, 30, 1, 64), rand(2, 30, 1, 64)
     o, lse = flash_attention_fwd(q, k, v, softmax_scale=0.125, causal=True,
-                                 q_start=torch.tensor(15, device=DEV), k_start=0)
+                                 q_start=torch.tensor(15, device=DEVICE), k_start=0)
     for i in range(2):
         check(o[i], lse[i], *ref_seq(q[i], k[i], v[i], 0.125, True, 15, 0), torch.float32)
 
 
+@pytest.mark.gpu
+@pytest.mark.interpreter
 @pytest.mark.parametrize("group", [1, 2, 3, 8])
 def test_gqa_groups(group: int) -> None:
     torch.manual_seed(group)
@@ -199,12 +218,16 @@ def test_gqa_groups(group: int) -> None:
     {"BLOCK_M": 32, "BLOCK_N": 64},   # BLOCK_N > BLOCK_M
     {"BLOCK_M": 64, "BLOCK_N": 16},   # diagonal band spans several KV tiles
 ])
+@pytest.mark.gpu
+@pytest.mark.interpreter
 def test_block_configs(config: dict) -> None:
     torch.manual_seed(11)
     run_dense(1, 100, 140, 2, 1, 64, torch.float32, True, 60, 13, config=config)
     run_dense(1, 45, 45, 2, 1, 64, torch.float32, False, 0, 0, config=config)
 
 
+@pytest.mark.gpu
+@pytest.mark.interpreter
 @pytest.mark.parametrize("m_fastest", [False, True])
 def test_grid_orders(m_fastest: bool) -> None:
     """Both program orders (heads fastest / query tiles fastest) cover every tile exactly once:
@@ -262,6 +285,8 @@ def test_every_launch_config(cfg: tuple, kind: str, dims: tuple[int, ...], m_fas
             run_dense(1, 384, 384, 2, 2, d, dtype, True, 0, 0, config=config)
 
 
+@pytest.mark.gpu
+@pytest.mark.interpreter
 def test_noncontiguous_inputs() -> None:
     """q/k/v as strided views of a packed qkv tensor."""
     torch.manual_seed(5)
@@ -274,12 +299,14 @@ def test_noncontiguous_inputs() -> None:
         check(o[i], lse[i], o_ref, lse_ref, torch.float32)
 
 
+@pytest.mark.gpu
+@pytest.mark.interpreter
 def test_empty_kv() -> None:
     q = rand(1, 5, 2, 64)
     k = rand(1, 0, 1, 64)
     o, lse = flash_attention_fwd(q, k, k, softmax_scale=0.125, causal=False, q_start=0, k_start=0)
     assert (o == 0).all() and torch.isneginf(lse).all()
-    assert lse.shape == (1, 2, 5)
+    assert lse.shape == (1, 5, 2)
 
 
 # --------------------------------------------------------------------------- #
@@ -298,7 +325,7 @@ def run_varlen(lens_q: list[int], lens_k: list[int], hq: int, hkv: int, d: int, 
     o, lse = flash_attention_fwd(q, k, v, softmax_scale=scale, causal=causal, q_start=qs_arg,
                                  k_start=ks_arg, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
                                  max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k))
-    assert o.shape == q.shape and lse.shape == (hq, q.shape[0])
+    assert o.shape == q.shape and lse.shape == (q.shape[0], hq)
     for i in range(len(lens_q)):
         a, e = int(cu_q[i]), int(cu_q[i + 1])
         ka, ke = int(cu_k[i]), int(cu_k[i + 1])
@@ -307,9 +334,11 @@ def run_varlen(lens_q: list[int], lens_k: list[int], hq: int, hkv: int, d: int, 
         o_ref, lse_ref = ref_seq(q[a:e], k[ka:ke], v[ka:ke], scale, causal, qs, ks)
         oh = torch_half_seq(q[a:e], k[ka:ke], v[ka:ke], scale, causal, qs, ks) \
             if dtype != torch.float32 else None
-        check(o[a:e], lse[:, a:e], o_ref, lse_ref, dtype, oh)
+        check(o[a:e], lse[a:e], o_ref, lse_ref, dtype, oh)
 
 
+@pytest.mark.gpu
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32] + HALF)
 @pytest.mark.parametrize("causal", [True, False])
 def test_varlen_self(causal: bool, dtype: torch.dtype) -> None:
@@ -319,6 +348,8 @@ def test_varlen_self(causal: bool, dtype: torch.dtype) -> None:
     run_varlen(lens, lens, 4, 2, 64, dtype, causal, 0, 0)
 
 
+@pytest.mark.gpu
+@pytest.mark.interpreter
 def test_varlen_offsets() -> None:
     """Chunked prefill: new queries at the end of a cached context, per-sequence offsets."""
     torch.manual_seed(22)
@@ -333,13 +364,14 @@ def test_varlen_offsets() -> None:
 # Merge consistency (what ring / context-parallel attention relies on)
 # --------------------------------------------------------------------------- #
 def merge_f64(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merge partial (o [B, Sq, Hq, D], lse [B, Hq, Sq]) results with the merge layer, in float64."""
-    os_ = torch.stack([p[0].cpu().double() for p in parts])                  # [C, B, Sq, Hq, D]
-    ls = torch.stack([p[1].cpu().double().transpose(1, 2) for p in parts])   # [C, B, Sq, Hq]
-    o, lse = longctx.merge_states(os_, ls)
-    return o, lse.transpose(1, 2)
+    """Merge partial (o [B, Sq, Hq, D], lse [B, Sq, Hq]) results with the merge layer, in float64."""
+    os_ = torch.stack([p[0].cpu().double() for p in parts])  # [C, B, Sq, Hq, D]
+    ls = torch.stack([p[1].cpu().double() for p in parts])   # [C, B, Sq, Hq]
+    return longctx.merge_states(os_, ls)
 
 
+@pytest.mark.gpu
+@pytest.mark.interpreter
 @pytest.mark.parametrize("n_chunks", [2, 3, 5])
 @pytest.mark.parametrize("causal", [True, False])
 def test_merge_chunks(n_chunks: int, causal: bool) -> None:
@@ -361,6 +393,8 @@ def test_merge_chunks(n_chunks: int, causal: bool) -> None:
     assert (o[0] - o_ref).abs().max() < FP32_TOL
 
 
+@pytest.mark.gpu
+@pytest.mark.interpreter
 def test_merge_with_empty_rows() -> None:
     """Queries before part of the KV: future chunks are entirely empty (-inf) and must merge away."""
     torch.manual_seed(40)
@@ -377,6 +411,8 @@ def test_merge_with_empty_rows() -> None:
     assert (lse[~empty] - full_lse.double()[~empty]).abs().max() < FP32_TOL
 
 
+@pytest.mark.gpu
+@pytest.mark.interpreter
 @pytest.mark.parametrize("m_fastest", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32] + HALF)
 @pytest.mark.parametrize("causal", [True, False])
@@ -389,6 +425,8 @@ def test_accumulate_chunks(causal: bool, dtype: torch.dtype, m_fastest: bool) ->
     run_accumulate_chunks(causal, dtype, m_fastest, 64)
 
 
+@pytest.mark.gpu
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32] + HALF)
 @pytest.mark.parametrize("d", [40, 96])
 def test_accumulate_chunks_head_dim_not_power_of_two(d: int, dtype: torch.dtype) -> None:
@@ -405,39 +443,41 @@ def run_accumulate_chunks(causal: bool, dtype: torch.dtype, m_fastest: bool, d: 
     q_start = ints([40, 5], torch.int64)  # sequence 1: rows 0..4 precede key 0 (at position 10)
     kw = dict(softmax_scale=d ** -0.5, causal=causal, q_start=q_start)
     cfg = {"BLOCK_M": 32, "BLOCK_N": 32, "M_FASTEST": m_fastest}
-    o_acc = torch.full((b, sq, hq, d), float("nan"), dtype=torch.float32, device=DEV)
-    lse_acc = torch.full((b, sq, hq), float("-inf"), dtype=torch.float32, device=DEV)
+    o_acc = torch.full((b, sq, hq, d), float("nan"), dtype=torch.float32, device=DEVICE)
+    lse_acc = torch.full((b, sq, hq), float("-inf"), dtype=torch.float32, device=DEVICE)
     for a, e in [(0, 30), (30, 31), (31, 120), (120, 150)]:
         out = flash_attention_fwd(q, k[:, a:e], v[:, a:e], k_start=k0 + a, accumulate=(o_acc, lse_acc),
                                   _config=cfg, **kw)
         assert out is None
     for i in range(b):
         o_ref, lse_ref = ref_seq(q[i], k[i], v[i], d ** -0.5, causal, int(q_start[i]), k0)
-        lse_i = lse_acc[i].transpose(0, 1)  # [Hq, Sq] like the reference
+        lse_i = lse_acc[i]
         empty = torch.isneginf(lse_ref)
         assert empty.any() == (causal and i == 1)
         assert torch.equal(torch.isneginf(lse_i.cpu()), empty)
-        assert (o_acc[i].cpu()[empty.transpose(0, 1)] == 0).all()
+        assert (o_acc[i].cpu()[empty] == 0).all()
         oh = torch_half_seq(q[i], k[i], v[i], d ** -0.5, causal, int(q_start[i]), k0) \
             if dtype != torch.float32 else None
         check(o_acc[i], lse_i, o_ref, lse_ref, torch.float32 if oh is None else dtype, oh)
 
 
+@pytest.mark.gpu
+@pytest.mark.interpreter
 def test_accumulate_public_api_and_checks() -> None:
     """longctx.attention_merge_into on the kernel path equals attention + merge_into; bad
     accumulators raise ValueError naming them."""
     torch.manual_seed(61)
     q, k, v = rand(1, 33, 4, 64), rand(1, 40, 2, 64), rand(1, 40, 2, 64)
-    o1 = torch.zeros(1, 33, 4, 64, device=DEV)
-    l1 = torch.full((1, 33, 4), float("-inf"), device=DEV)
+    o1 = torch.zeros(1, 33, 4, 64, device=DEVICE)
+    l1 = torch.full((1, 33, 4), float("-inf"), device=DEVICE)
     o2, l2 = o1.clone(), l1.clone()
-    with force_triton():
+    with force_triton(DEVICE == "cpu"):
         for a, e in [(0, 17), (17, 40)]:
             longctx.attention_merge_into(o1, l1, q, k[:, a:e], v[:, a:e], causal=True,
                                          q_start=7, k_start=a)
             o, lse = longctx.attention(q, k[:, a:e], v[:, a:e], causal=True, q_start=7,
                                        k_start=a, return_lse=True)
-            longctx.merge_into(o2, l2, o, lse.transpose(1, 2))
+            longctx.merge_into(o2, l2, o, lse)
     assert (o1 - o2).abs().max() < FP32_TOL and (l1 - l2).abs().max() < FP32_TOL
     kw = dict(softmax_scale=0.125, causal=False, q_start=0, k_start=0)
     with pytest.raises(ValueError, match="o_acc and lse_acc must both be float32"):
@@ -454,6 +494,8 @@ def test_accumulate_public_api_and_checks() -> None:
         longctx.attention_merge_into(o1.to("meta"), l1, q, k, v)
 
 
+@pytest.mark.gpu
+@pytest.mark.interpreter
 @pytest.mark.parametrize("sq,sk,q_start,k_start", [(40, 128, 0, 0), (16, 128, 20, 0), (30, 120, 100, 64)])
 def test_fully_masked_tiles_skipped(sq: int, sk: int, q_start: int, k_start: int) -> None:
     """K/V tiles that no row of the tile can see are never loaded: poison them with NaN."""
@@ -472,6 +514,8 @@ def test_fully_masked_tiles_skipped(sq: int, sk: int, q_start: int, k_start: int
     check(o[0], lse[0], o_ref, lse_ref, torch.float32)
 
 
+@pytest.mark.gpu
+@pytest.mark.interpreter
 def test_large_positions() -> None:
     """Absolute positions beyond int32 (python ints and int64 tensors)."""
     torch.manual_seed(60)
@@ -488,12 +532,14 @@ def test_large_positions() -> None:
     assert torch.isneginf(lse[1]).all()
 
 
+@pytest.mark.gpu
+@pytest.mark.interpreter
 @pytest.mark.parametrize("d", [64, 96])
 def test_public_attention_dispatches_to_the_kernel(d: int) -> None:
     """longctx.attention on the Triton path (forced on CPU) agrees with the reference path."""
     torch.manual_seed(60)
     q, k, v = rand(2, 33, 6, d), rand(2, 47, 2, d), rand(2, 47, 2, d)
-    with force_triton(DEV == "cpu"):
+    with force_triton(DEVICE == "cpu"):
         o, lse = longctx.attention(q, k, v, causal=True, q_start=20, return_lse=True)
     ro, rlse = reference_attention(q.cpu(), k.cpu(), v.cpu(), causal=True, q_start=20,
                                    compute_dtype=torch.float64)

@@ -15,7 +15,7 @@ def naive_attention(q, k, v, causal, q_start, k_start, seqlens_k, scale):
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
     o = torch.zeros(B, Sq, Hq, D, dtype=F64)
-    lse = torch.full((B, Hq, Sq), float("-inf"), dtype=F64)
+    lse = torch.full((B, Sq, Hq), float("-inf"), dtype=F64)
     for b in range(B):
         qs = int(q_start[b]) if isinstance(q_start, torch.Tensor) else q_start
         ks = int(k_start[b]) if isinstance(k_start, torch.Tensor) else k_start
@@ -27,7 +27,7 @@ def naive_attention(q, k, v, causal, q_start, k_start, seqlens_k, scale):
                 if not keys:
                     continue
                 s = torch.stack([q[b, i, h] @ k[b, j, kh] * scale for j in keys])
-                lse[b, h, i] = torch.logsumexp(s, 0)
+                lse[b, i, h] = torch.logsumexp(s, 0)
                 p = torch.softmax(s, 0)
                 o[b, i, h] = sum(p[t] * v[b, j, kh] for t, j in enumerate(keys))
     return o, lse
@@ -47,7 +47,7 @@ def test_reference_matches_naive(Hq, Hkv, causal):
     torch.testing.assert_close(o, no, rtol=0, atol=1e-12)
     torch.testing.assert_close(lse, nlse, rtol=0, atol=1e-12)
     if causal:  # batch 1: queries 0 and 1 (positions 0, 1) precede the first key (position 2)
-        assert torch.isneginf(lse[1, :, :2]).all() and torch.equal(o[1, :2], torch.zeros_like(o[1, :2]))
+        assert torch.isneginf(lse[1, :2]).all() and torch.equal(o[1, :2], torch.zeros_like(o[1, :2]))
 
 
 def test_reference_scale_dtype_and_empty_keys():
@@ -60,7 +60,7 @@ def test_reference_scale_dtype_and_empty_keys():
     torch.testing.assert_close(o, o64.float(), rtol=1e-5, atol=1e-6)
     # A single key: softmax weight 1, LSE = the score itself.
     o1, lse1 = reference_attention(q.double(), k[:, :1].double(), v[:, :1].double())
-    s = torch.einsum("bqhd,bkhd->bhqk", q.double(), k[:, :1].double())[..., 0] / math.sqrt(16)
+    s = torch.einsum("bqhd,bkhd->bqhk", q.double(), k[:, :1].double())[..., 0] / math.sqrt(16)
     torch.testing.assert_close(lse1, s, rtol=0, atol=1e-12)
     torch.testing.assert_close(o1, v[:, :1].double().expand_as(o1), rtol=0, atol=1e-12)
     # No keys at all: the empty state.

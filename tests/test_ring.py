@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from longctx.backend import force_triton, interpreter_active
+from longctx.backend import force_triton
 from longctx.parallel import ring_attention, shard_sequence, unshard_sequence
 from longctx.parallel.ring import LAYOUTS, _step_blocks, shard_chunks
 from longctx.reference import reference_attention
@@ -52,11 +52,11 @@ def _check_ring(rank, world, group, *, B, S, Hq, Hkv, D, causal, layout, dtype, 
     o_loc, lse_loc = ring_attention(ql, kl, vl, group=group, causal=causal, layout=layout,
                                     softmax_scale=scale, return_lse=True)
     assert o_loc.shape == ql.shape and o_loc.dtype == dtype
-    assert lse_loc.shape == (B, Hq, S // world)
+    assert lse_loc.shape == (B, S // world, Hq)
     assert lse_loc.dtype == (F64 if dtype == F64 else torch.float32)
     assert torch.equal(kl, kl0) and torch.equal(vl, vl0), "K/V shards must be left untouched"
     o = unshard_sequence(o_loc, group, layout)
-    lse = unshard_sequence(lse_loc, group, layout, dim=-1)
+    lse = unshard_sequence(lse_loc, group, layout)
     torch.testing.assert_close(o.to(F64), o_ref, rtol=0, atol=atol)
     torch.testing.assert_close(lse.to(F64), lse_ref, rtol=0, atol=atol)
     assert torch.equal(unshard_sequence(ql, group, layout), q)  # round trip
@@ -70,6 +70,8 @@ def _bad_input(rank, world):
     ql, kl, vl = (shard_sequence(x[:, :-1], None, "zigzag") for _ in range(3))
     with pytest.raises(ValueError, match=r"layout must be one of 'zigzag', 'contiguous', got 'ring'"):
         ring_attention(ql, kl, vl, layout="ring")
+    with pytest.raises(ValueError, match=r"causal must be True or False, got 'no'"):
+        ring_attention(ql, kl, vl, causal="no")
     with pytest.raises(ValueError, match=r"q.shape\[1\] .* is 5, but layout 'zigzag' needs"):
         ring_attention(ql[:, :5], kl[:, :5], vl[:, :5])
     with pytest.raises(ValueError, match="same local sequence length"):
@@ -101,17 +103,15 @@ def _matrix(rank, world, group):
                 layout="zigzag", dtype=torch.float32, scale=0.3, atol=2e-5)
 
 
-def _kernel_path(rank, world, group):
+def _kernel_path(rank, world):
     """The ring on the Triton kernel (interpreter on CPU): its fused merge into an uninitialised
     float32 accumulator (`attention_merge_into`), causal zigzag and unmasked contiguous, GQA,
-    head_dim 32 and 40 (a tile of 64, padded). CPU tensors reach the kernel only under the
-    interpreter; on a GPU machine tests/test_ring_gpu.py checks the ring's plan on the kernel
-    against a reference instead."""
-    if not interpreter_active():
-        return
+    head_dim 32 and 40 (a tile of 64, padded). tests/test_ring_gpu.py checks the ring's plan on
+    the compiled kernel."""
+    torch.set_num_threads(1)
     with force_triton():
         for causal, layout, d in ((True, "zigzag", 32), (False, "contiguous", 40)):
-            _check_ring(rank, world, group, B=1, S=2 * world * 8, Hq=4, Hkv=2, D=d,
+            _check_ring(rank, world, None, B=1, S=2 * world * 8, Hq=4, Hkv=2, D=d,
                         causal=causal, layout=layout, dtype=torch.float32, scale=None, atol=2e-5)
 
 
@@ -119,7 +119,6 @@ def _ring_world(rank, world):
     torch.set_num_threads(1)  # W processes share the test machine's few cores
     if world == 2:
         _bad_input(rank, world)
-        _kernel_path(rank, world, None)
     _matrix(rank, world, None)
     if world == 4:
         # W = 3 on the subgroup of global ranks 1..3: group ranks differ from global ranks, so
@@ -132,9 +131,14 @@ def _ring_world(rank, world):
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_ring_attention_matches_reference(world):
-    """W = 1, 2, 4 on the world group; with W = 2 also bad input and the kernel path; with W = 4
-    also W = 3 on a 3-rank subgroup."""
+    """W = 1, 2, 4 on the world group; with W = 2 also bad input; with W = 4 also W = 3 on a
+    3-rank subgroup."""
     run_distributed(_ring_world, world)
+
+
+@pytest.mark.interpreter
+def test_ring_attention_on_the_kernels_matches_reference():
+    run_distributed(_kernel_path, 2)
 
 
 def test_shard_chunks_and_bad_lengths():

@@ -1,11 +1,12 @@
 """Split-KV decode sized for a tensor-parallel rank's own KV heads: one full wave of programs on
-each rank's GPU (issue 18). The launch grid comes from the decode plan that the model's decode
+each rank's GPU. The launch grid comes from the decode plan that the model's decode
 step builds (longctx.kernels.decode.DecodePlan), for CodeLlama-34B's 8 KV heads split over
 tp = 1, 2, 4, 8 ranks (8, 4, 2, 1 per rank) and replicated at tp = 16 (1 per rank)."""
 
 import inspect
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
@@ -42,7 +43,7 @@ def rank_grid(args: ModelArgs, tp: int, batch: int, context: int) -> tuple[int, 
 def test_one_wave_per_tp_rank():
     """Programs = splits x B x local KV heads (x query-head blocks, 1 here) fill at most one wave
     of the SMs, and at least 90% of it unless each split is already down to MIN_KEYS keys (the
-    same floor that applies at tp = 1 to short caches). The issue's benchmark shapes -- batch 1
+    same floor that applies at tp = 1 to short caches). The benchmarked model shapes -- batch 1
     at 64k and 128k on every layout and at 16k up to tp = 4, batch 8 at 32k -- get a full
     wave."""
     args = codellama_34b()
@@ -90,5 +91,6 @@ def _model_passes_its_local_kv_heads(rank, world):
     dist.barrier()
 
 
+@pytest.mark.interpreter
 def test_tp2_model_plans_decode_for_its_local_kv_heads():
     run_distributed(_model_passes_its_local_kv_heads, 2)
