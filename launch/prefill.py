@@ -90,10 +90,12 @@ def run(cfg: DictConfig, device: torch.device) -> None:
     where = (torch.cuda.get_device_name(device) if device.type == "cuda"
              else f"cpu ({torch.get_num_threads()} threads per rank)")
     say(f"ring prefill | {world} rank(s), {dist.get_backend()}, {where} | layout {cfg.layout}"
-        f"{', causal' if cfg.causal else ''} | B={B} S={S} Hq/Hkv={Hq}/{Hkv} D={D} {cfg.dtype}")
+        f"{', causal' if cfg.causal else ''}, transport {cfg.transport} | B={B} S={S} "
+        f"Hq/Hkv={Hq}/{Hkv} D={D} {cfg.dtype}")
 
     def ring():
-        return ring_attention(q, k, v, causal=cfg.causal, layout=cfg.layout, return_lse=True)
+        return ring_attention(q, k, v, causal=cfg.causal, layout=cfg.layout, return_lse=True,
+                              transport=cfg.transport)
 
     t_ring = seconds_per_call(ring, cfg, device, all_ranks=True)
     say(f"ring       {t_ring * 1e3:10.3f} ms/call  {flops / world / t_ring / 1e12:8.3f} TFLOPS per rank")

@@ -32,7 +32,8 @@ from longctx.backend import use_triton_for
 from longctx.checks import check_attention_inputs, check_flag
 from longctx.parallel.process_group import all_gather_ints, global_rank, rank_and_world
 
-__all__ = ["LAYOUTS", "ring_attention", "shard_sequence", "unshard_sequence", "shard_chunks"]
+__all__ = ["LAYOUTS", "TRANSPORTS", "ring_attention", "release_ring_buffers", "shard_sequence",
+           "unshard_sequence", "shard_chunks"]
 
 LAYOUTS = ("zigzag", "contiguous")
 _CHECKED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -218,8 +219,12 @@ def _coalesce(blocks: list[_Block]) -> list[_Block]:
     return sorted(blocks, key=lambda b: (b.q0, b.k0))
 
 
-class _RingP2P:
-    """Sends K/V to the next rank and receives the previous rank's, one step ahead of compute.
+TRANSPORTS = ("auto", "copy_engine", "nccl")
+
+
+class _RingNccl:
+    """Sends K/V to the next rank and receives the previous rank's through NCCL (any backend),
+    one step ahead of compute, into two receive buffers taken in turn.
 
     On CUDA the P2P ops are issued from a side stream, ordered after the work already queued on
     the compute stream, and the compute stream waits for them only when it needs the data, so
@@ -229,18 +234,23 @@ class _RingP2P:
     """
 
     def __init__(self, group: dist.ProcessGroup | None, rank: int, world: int,
-                 device: torch.device):
+                 kv: tuple[torch.Tensor, torch.Tensor]):
         self.group = group
         self.next = global_rank(group, (rank + 1) % world)
         self.prev = global_rank(group, (rank - 1) % world)
+        device = kv[0].device
         self.device = device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.bufs = [tuple(torch.empty_like(t) for t in kv) for _ in range(min(2, world - 1))]
 
-    def start(self, send: tuple[torch.Tensor, ...], recv: tuple[torch.Tensor, ...]) -> list:
+    def start(self, send: tuple[torch.Tensor, ...], slot: int) -> tuple[list, int]:
+        """Send `send` to the next rank while receiving the previous rank's into buffer `slot`.
+        Buffer `slot` must no longer be read by queued compute other than what precedes this."""
+        recv = self.bufs[slot]
         ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in send]
         ops += [dist.P2POp(dist.irecv, t, self.prev, self.group) for t in recv]
         if self.stream is None:
-            return dist.batch_isend_irecv(ops)
+            return dist.batch_isend_irecv(ops), slot
         # The compute stream has queued the writes of `send` and the last reads of `recv`.
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
@@ -248,16 +258,126 @@ class _RingP2P:
         for t in (*send, *recv):
             # The allocator must not recycle these while the side stream may still use them.
             t.record_stream(self.stream)
-        return works
+        return works, slot
 
-    def finish(self, works: list) -> None:
-        """Make the received shard visible to the compute stream (on CPU: block until done)."""
+    def finish(self, pending: tuple[list, int]) -> tuple[torch.Tensor, ...]:
+        """The received shard, visible to the compute stream (on CPU: block until done)."""
+        works, slot = pending
         ctx = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
         with ctx:
             for w in works:
                 w.wait()  # CUDA: the current (side) stream waits for the NCCL stream, host does not
         if self.stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        return self.bufs[slot]
+
+
+class _RingCopyEngine:
+    """GPUs of one host: each step's K/V shard is pushed by the copy engines straight into the
+    next rank's receive buffers, in torch symmetric memory (peer-mapped; no NVLink multicast).
+
+    Why not NCCL: its send/recv kernels need SMs. Beside the attention kernel they slowed it by
+    ~25% for the whole step, and when the attention kernel took the SMs first they ran only in
+    its last wave, after it (bench/ring_timeline.py: 4x H200, 131072 tokens). A copy-engine
+    push uses no SMs. Ordering, on a side stream, per step: wait for this rank's queued compute;
+    a barrier over the group (every rank has finished the step that read the buffer about to be
+    written, and holds the shard it sends); the push; a barrier (every shard has landed); the
+    compute stream waits for the side stream only before the step that reads the shard.
+
+    The buffers (2 slots x the K and V shard) are kept between calls, per group, device and
+    dtype, and grow when a call needs more: `release_ring_buffers()` frees them.
+    """
+
+    _cache: dict = {}  # (group name, device, dtype) -> (buffer, handle, elements per slot)
+
+    def __init__(self, group: dist.ProcessGroup, rank: int, world: int,
+                 kv: tuple[torch.Tensor, torch.Tensor]):
+        import torch.distributed._symmetric_memory as symm_mem
+
+        from longctx.parallel.allreduce import enable_symmetric_memory
+
+        k, v = kv
+        self.device, self.shapes = k.device, (k.shape, v.shape)
+        self.sizes = (k.numel(), v.numel())
+        per_slot = k.numel() + v.numel()
+        key = (group.group_name, self.device, k.dtype)
+        buf, handle, cap = self._cache.get(key, (None, None, 0))
+        if cap < per_slot:  # every rank holds the same shapes (checked): all come here together
+            self._cache.pop(key, None)
+            enable_symmetric_memory(group)
+            buf = symm_mem.empty(2 * per_slot, dtype=k.dtype, device=self.device)
+            handle = symm_mem.rendezvous(buf, group.group_name)
+            cap = per_slot
+            self._cache[key] = (buf, handle, cap)
+        self.handle, self.cap = handle, cap
+        self.mine = self._views(buf)
+        nxt = (rank + 1) % world
+        self.peer = self._views(handle.get_buffer(nxt, (2 * cap,), k.dtype, 0))
+        self.stream = torch.cuda.Stream(self.device)
+
+    def _views(self, flat: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        nk, nv = self.sizes
+        return [(flat[s * self.cap:s * self.cap + nk].view(self.shapes[0]),
+                 flat[s * self.cap + nk:s * self.cap + nk + nv].view(self.shapes[1]))
+                for s in range(2)]
+
+    def start(self, send: tuple[torch.Tensor, ...], slot: int) -> int:
+        compute = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(compute)
+        with torch.cuda.stream(self.stream):
+            self.handle.barrier(channel=0)
+            for dst, src in zip(self.peer[slot], send):
+                dst.copy_(src)  # peer-mapped destination: a copy-engine transfer over NVLink
+            self.handle.barrier(channel=1)
+        # No record_stream: the compute stream waits for this stream in `finish`, and the call
+        # finishes every step it starts, so nothing it read is freed before the push is done.
+        return slot
+
+    def finish(self, slot: int) -> tuple[torch.Tensor, ...]:
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        return self.mine[slot]
+
+
+def release_ring_buffers() -> None:
+    """Free the copy-engine ring's cached symmetric-memory buffers (collective: every rank of
+    the groups that used them must call it before they are used again)."""
+    _RingCopyEngine._cache.clear()
+
+
+_transport_ok: dict = {}  # (group name, device) -> whether the copy engine ring can be set up
+
+
+def _make_transport(transport: str, group: dist.ProcessGroup | None, rank: int, world: int,
+                    kv: tuple[torch.Tensor, torch.Tensor]):
+    """The ring's K/V transport: "copy_engine" on CUDA GPUs of one host with torch symmetric
+    memory, "nccl" otherwise; "auto" picks the first that works (collective, once per group)."""
+    if transport == "nccl" or kv[0].device.type != "cuda":
+        if transport == "copy_engine":
+            raise ValueError("transport='copy_engine' needs CUDA tensors")
+        return _RingNccl(group, rank, world, kv)
+    group = group or dist.group.WORLD
+    key = (group.group_name, kv[0].device)
+    if key not in _transport_ok:
+        from longctx.parallel.allreduce import same_host
+
+        ok, reason = same_host(group), "the group spans hosts"
+        ring = None
+        if ok:
+            try:
+                ring = _RingCopyEngine(group, rank, world, kv)
+            except Exception as e:  # no symmetric memory in this torch, or no peer access
+                ok, reason = False, f"{type(e).__name__}: {e}"
+        flag = torch.tensor([ok], dtype=torch.int32, device=kv[0].device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)  # every rank the same way
+        _transport_ok[key] = (bool(flag.item()), reason if not ok else "another rank failed")
+        if _transport_ok[key][0]:
+            return ring
+    ok, reason = _transport_ok[key]
+    if ok:
+        return _RingCopyEngine(group, rank, world, kv)
+    if transport == "copy_engine":
+        raise RuntimeError(f"transport='copy_engine' is unavailable: {reason}")
+    return _RingNccl(group, rank, world, kv)
 
 
 def ring_attention(
@@ -270,6 +390,7 @@ def ring_attention(
     layout: str = "zigzag",
     softmax_scale: float | None = None,
     return_lse: bool = False,
+    transport: str = "auto",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of this rank's query shard over the whole sequence, K/V shards passed round a ring.
 
@@ -284,6 +405,10 @@ def ring_attention(
         layout: "zigzag" (S_local even; balanced causal work) or "contiguous".
         softmax_scale: defaults to 1/sqrt(D).
         return_lse: also return the LSE.
+        transport: how K/V shards travel: "copy_engine" (CUDA GPUs of one host: copy-engine
+            pushes into torch symmetric memory, no SMs taken from the attention kernel; its
+            buffers are cached between calls, see `release_ring_buffers`), "nccl" (send/recv,
+            any backend), or "auto" (copy_engine where it can be set up, else nccl).
 
     Returns:
         o [B, S_local, Hq, D] in q's dtype, this rank's output shard in `layout`; with return_lse
@@ -294,6 +419,9 @@ def ring_attention(
     check_flag("causal", causal)
     check_flag("return_lse", return_lse)
     _check_layout(layout)
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {', '.join(map(repr, TRANSPORTS))}, got "
+                         f"{transport!r}")
     if k.shape[1] != q.shape[1]:
         raise ValueError(f"q and k must hold the same local sequence length: q.shape[1] is "
                          f"{q.shape[1]}, k.shape[1] is {k.shape[1]}")
@@ -321,13 +449,12 @@ def ring_attention(
         B, s_local, hq, d, dtype=acc_dtype, device=q.device)
     lse_acc = torch.full((B, s_local, hq), float("-inf"), dtype=acc_dtype, device=q.device)
 
-    p2p = _RingP2P(group, rank, world, q.device)
     kv = (k.contiguous(), v.contiguous())  # step 0 reads this rank's own shard in place
-    bufs = [tuple(torch.empty_like(t) for t in kv) for _ in range(min(2, world - 1))]
+    ring = _make_transport(transport, group, rank, world, kv)
     for t, blocks in enumerate(plans):
         # Post the transfer for step t+1 before computing step t. Buffer t % 2 was last read by
         # step t-1's compute and last sent during step t-1, both ordered before this receive.
-        works = p2p.start(kv, bufs[t % 2]) if t + 1 < world else None
+        pending = ring.start(kv, t % 2) if t + 1 < world else None
         kt, vt = kv
         for b in blocks:
             attention_merge_into(
@@ -335,9 +462,8 @@ def ring_attention(
                 q[:, b.q0:b.q1], kt[:, b.k0:b.k1], vt[:, b.k0:b.k1], causal=b.masked,
                 softmax_scale=softmax_scale, q_start=b.q_start, k_start=b.k_start,
             )
-        if works is not None:
-            p2p.finish(works)
-            kv = bufs[t % 2]
+        if pending is not None:
+            kv = ring.finish(pending)
 
     o = o_acc.to(q.dtype)
     if not return_lse:

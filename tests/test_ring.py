@@ -72,6 +72,10 @@ def _bad_input(rank, world):
         ring_attention(ql, kl, vl, layout="ring")
     with pytest.raises(ValueError, match=r"causal must be True or False, got 'no'"):
         ring_attention(ql, kl, vl, causal="no")
+    with pytest.raises(ValueError, match=r"transport must be one of 'auto', 'copy_engine', 'nccl', got 'tcp'"):
+        ring_attention(ql, kl, vl, transport="tcp")
+    with pytest.raises(ValueError, match=r"transport='copy_engine' needs CUDA tensors"):
+        ring_attention(ql, kl, vl, transport="copy_engine")
     with pytest.raises(ValueError, match=r"q.shape\[1\] .* is 5, but layout 'zigzag' needs"):
         ring_attention(ql[:, :5], kl[:, :5], vl[:, :5])
     with pytest.raises(ValueError, match="same local sequence length"):

@@ -5,7 +5,8 @@
 - One GPU: the ring's per-step sequence (attention kernels merging into the float32 state in
   their epilogue, many launches back to back) gives the same bits as the same sequence with a
   device synchronisation after every call.
-- Several GPUs (NCCL): ring_attention, called repeatedly, with each step's transfer overlapping
+- Several GPUs (K/V by copy-engine push, and by NCCL send/recv): ring_attention, called
+  repeatedly, with each step's transfer overlapping
   the previous step's compute, gives the same bits as its blocks run on one device.
 
 Both once failed (when the ring ran attention, then merge_into): merge_into's in-place update
@@ -78,7 +79,7 @@ def test_attention_merge_sequence_is_deterministic():
         assert torch.equal(o, o_ref) and torch.equal(lse, lse_ref)
 
 
-def _ring_worker(rank, world):
+def _ring_worker(rank, world, transport="auto"):
     device = torch.device("cuda", rank)
     g = torch.Generator(device=device).manual_seed(0)  # the same full sequence on every rank
     q, k, v = (torch.randn(1, 131072, 32, 128, device=device, generator=g).to(torch.bfloat16)
@@ -86,13 +87,15 @@ def _ring_worker(rank, world):
     o_ref, _ = _ring_sequence(q, k, v, world, rank, sync=True)
     q_loc, k_loc, v_loc = (shard_sequence(x) for x in (q, k, v))
     for i in range(5):
-        o = ring_attention(q_loc, k_loc, v_loc, causal=True)
+        o = ring_attention(q_loc, k_loc, v_loc, causal=True, transport=transport)
         assert torch.equal(o, o_ref.to(o.dtype)), \
-            f"rank {rank}, call {i}: max diff {(o.float() - o_ref).abs().max().item():.3e}"
+            f"{transport} rank {rank}, call {i}: max diff " \
+            f"{(o.float() - o_ref).abs().max().item():.3e}"
 
 
+@pytest.mark.parametrize("transport", ["copy_engine", "nccl"])
 @pytest.mark.parametrize("world", [2, 4])
-def test_ring_matches_its_blocks_on_one_device(world):
+def test_ring_matches_its_blocks_on_one_device(world, transport):
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} CUDA devices")
-    run_distributed(_ring_worker, world, backend="nccl")
+    run_distributed(_ring_worker, world, transport, backend="nccl")
