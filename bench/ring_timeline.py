@@ -185,7 +185,7 @@ def report(ranks: list[dict], args, device: str, shard_bytes: int) -> None:
           f"transport {args.transport} | "
           f"call {(t_end - t_start) / 1e3:.2f} ms (first kernel to last, all ranks)")
     for r in ranks:
-        comm_names = ("nccl", "memcpy", "barrier")
+        comm_names = ("nccl", "memcpy", "barrier", "ring_sync")
         comp = [k for k in r["kernels"] if not any(c in k["name"].lower() for c in comm_names)]
         comm = [k for k in r["kernels"] if any(c in k["name"].lower() for c in comm_names)]
         print(f"\nrank {r['rank']}: start ms  length ms  stream  kernel")

@@ -271,6 +271,9 @@ class _RingNccl:
             torch.cuda.current_stream(self.device).wait_stream(self.stream)
         return self.bufs[slot]
 
+    def close(self) -> None:
+        pass
+
 
 class _RingCopyEngine:
     """GPUs of one host: each step's K/V shard is pushed by the copy engines straight into the
@@ -279,63 +282,103 @@ class _RingCopyEngine:
     Why not NCCL: its send/recv kernels need SMs. Beside the attention kernel they slowed it by
     ~25% for the whole step, and when the attention kernel took the SMs first they ran only in
     its last wave, after it (bench/ring_timeline.py: 4x H200, 131072 tokens). A copy-engine
-    push uses no SMs. Ordering, on a side stream, per step: wait for this rank's queued compute;
-    a barrier over the group (every rank has finished the step that read the buffer about to be
-    written, and holds the shard it sends); the push; a barrier (every shard has landed); the
-    compute stream waits for the side stream only before the step that reads the shard.
+    push uses no SMs. The ordering between ranks is kept by counters in the same buffers
+    (kernels/ring_sync.py), set and awaited by one tiny kernel on the compute stream between
+    two attention steps, where every SM is free: before a step that pushes into the next rank's
+    slot, wait until that rank has released the slot as often as it was filled; after a step,
+    once this rank's push has finished, tell the next rank its slot is filled, release the slot
+    this step read to the previous rank, and wait until this rank's own slot is filled.
 
-    The buffers (2 slots x the K and V shard) are kept between calls, per group, device and
-    dtype, and grow when a call needs more: `release_ring_buffers()` frees them.
+    The buffers (2 slots x the K and V shard, and the counters) are kept between calls, per
+    group, device and dtype, and grow when a call needs more: `release_ring_buffers()` frees
+    them.
     """
 
-    _cache: dict = {}  # (group name, device, dtype) -> (buffer, handle, elements per slot)
+    _cache: dict = {}  # (group name, device, dtype) -> _RingBuffers
 
     def __init__(self, group: dist.ProcessGroup, rank: int, world: int,
                  kv: tuple[torch.Tensor, torch.Tensor]):
-        import torch.distributed._symmetric_memory as symm_mem
-
-        from longctx.parallel.allreduce import enable_symmetric_memory
-
         k, v = kv
-        self.device, self.shapes = k.device, (k.shape, v.shape)
-        self.sizes = (k.numel(), v.numel())
-        per_slot = k.numel() + v.numel()
+        self.device = k.device
+        self.shapes, self.sizes = (k.shape, v.shape), (k.numel(), v.numel())
         key = (group.group_name, self.device, k.dtype)
-        buf, handle, cap = self._cache.get(key, (None, None, 0))
-        if cap < per_slot:  # every rank holds the same shapes (checked): all come here together
+        bufs = self._cache.get(key)
+        if bufs is None or bufs.cap < k.numel() + v.numel():
+            # Every rank holds the same shapes (checked): all come here together.
             self._cache.pop(key, None)
-            enable_symmetric_memory(group)
-            buf = symm_mem.empty(2 * per_slot, dtype=k.dtype, device=self.device)
-            handle = symm_mem.rendezvous(buf, group.group_name)
-            cap = per_slot
-            self._cache[key] = (buf, handle, cap)
-        self.handle, self.cap = handle, cap
-        self.mine = self._views(buf)
-        nxt = (rank + 1) % world
-        self.peer = self._views(handle.get_buffer(nxt, (2 * cap,), k.dtype, 0))
+            bufs = self._cache[key] = _RingBuffers(group, rank, world, k.numel() + v.numel(), k)
+        self.b = bufs
+        self.mine = [self._views(bufs.mine, s) for s in range(2)]
+        self.peer = [self._views(bufs.next, s) for s in range(2)]
+        self.reading = None  # the receive slot the step just queued reads
         self.stream = torch.cuda.Stream(self.device)
 
-    def _views(self, flat: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        nk, nv = self.sizes
-        return [(flat[s * self.cap:s * self.cap + nk].view(self.shapes[0]),
-                 flat[s * self.cap + nk:s * self.cap + nk + nv].view(self.shapes[1]))
-                for s in range(2)]
+    def _views(self, flat: torch.Tensor, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        (nk, nv), o = self.sizes, slot * self.b.cap
+        return flat[o:o + nk].view(self.shapes[0]), flat[o + nk:o + nk + nv].view(self.shapes[1])
+
+    def _sync(self, **kw) -> None:
+        from longctx.kernels.ring_sync import ring_sync
+
+        ring_sync(self.b.flags, self.b.next_flags, self.b.prev_flags, **kw)
 
     def start(self, send: tuple[torch.Tensor, ...], slot: int) -> int:
-        compute = torch.cuda.current_stream(self.device)
-        self.stream.wait_stream(compute)
+        """Push `send` into the next rank's receive slot `slot`, beside the next step."""
+        b = self.b
+        if b.pushes[slot]:  # the next rank has read what earlier pushes left there
+            self._sync(wait_free=(slot, b.pushes[slot]))
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
-            self.handle.barrier(channel=0)
             for dst, src in zip(self.peer[slot], send):
                 dst.copy_(src)  # peer-mapped destination: a copy-engine transfer over NVLink
-            self.handle.barrier(channel=1)
         # No record_stream: the compute stream waits for this stream in `finish`, and the call
         # finishes every step it starts, so nothing it read is freed before the push is done.
         return slot
 
     def finish(self, slot: int) -> tuple[torch.Tensor, ...]:
+        """After the step queued beside the push: this rank's receive slot `slot`, filled."""
+        b = self.b
         torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        b.pushes[slot] += 1
+        free = None
+        if self.reading is not None:
+            b.reads[self.reading] += 1
+            free = (self.reading, b.reads[self.reading])
+        self._sync(arrived=(slot, b.pushes[slot]), free=free, wait_arrived=(slot, b.pushes[slot]))
+        self.reading = slot
         return self.mine[slot]
+
+    def close(self) -> None:
+        """After the last step: release the slot it read."""
+        if self.reading is not None:
+            self.b.reads[self.reading] += 1
+            self._sync(free=(self.reading, self.b.reads[self.reading]))
+            self.reading = None
+
+
+class _RingBuffers:
+    """The copy-engine ring's symmetric memory: 2 receive slots of `cap` elements and 4 int32
+    counters (kernels/ring_sync.py) per rank, with the next and previous ranks' peer-mapped
+    views, and how often each slot was filled (pushes) and read (reads) on every rank alike."""
+
+    def __init__(self, group: dist.ProcessGroup, rank: int, world: int, cap: int,
+                 like: torch.Tensor):
+        import torch.distributed._symmetric_memory as symm_mem
+
+        from longctx.parallel.allreduce import enable_symmetric_memory
+
+        enable_symmetric_memory(group)
+        pad = 16 // like.element_size()  # 16 bytes for the counters
+        n = 2 * cap + pad
+        buf = symm_mem.empty(n, dtype=like.dtype, device=like.device)
+        self.handle = symm_mem.rendezvous(buf, group.group_name)
+        peer = [self.handle.get_buffer(r, (n,), like.dtype, 0) for r in range(world)]
+        self.cap, self.mine, self.next = cap, buf, peer[(rank + 1) % world]
+        self.flags, self.next_flags, self.prev_flags = (
+            x[2 * cap:].view(torch.int32) for x in (buf, self.next, peer[(rank - 1) % world]))
+        self.pushes, self.reads = [0, 0], [0, 0]
+        self.flags.zero_()
+        self.handle.barrier(channel=0)  # every rank's counters are zero before any is set
 
 
 def release_ring_buffers() -> None:
@@ -464,6 +507,7 @@ def ring_attention(
             )
         if pending is not None:
             kv = ring.finish(pending)
+    ring.close()
 
     o = o_acc.to(q.dtype)
     if not return_lse:
