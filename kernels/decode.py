@@ -268,11 +268,16 @@ def _launch_config(head_dim: int, dtype: torch.dtype, block_h: int, keys_per_spl
     Other cases were chosen from offline sm_90 compiles (no spills): fp32 ("ieee" dot on FMA
     units) needs small key blocks and 8 warps; head_dim 256 halves the key block. A head_dim
     that is not a power of two takes the choice of its tile (the next power of two): the
-    registers and the tensor-core work are the tile's.
+    registers and the tensor-core work are the tile's; except 129-255 (measured at 192).
     """
     d = next_power_of_2(head_dim)
     if dtype == torch.float32:
         return (32 if d <= 128 and block_h * d < 64 * 128 else 16), 8, 2
+    if 128 < head_dim < 256:
+        # head_dim 192 (tile 256), bench/tune_decode.py --d 192 on an H200 (16/2 heads): 64
+        # keys, 4 warps, 3 stages took 32-34 µs at 64 x 1024, 8 x 8192 and 1 x 65536 and 105 µs
+        # at 1 x 262144, against 64-69 and 221 µs with 256's 32-key blocks.
+        return 64, 4, 3
     if d > 128:
         return 32, 8 if block_h * d >= 64 * 128 else 4, 2
     num_warps = 8 if block_h * d >= 64 * 128 else 4
