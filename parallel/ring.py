@@ -398,6 +398,13 @@ def _make_transport(transport: str, group: dist.ProcessGroup | None, rank: int, 
         if transport == "copy_engine":
             raise ValueError("transport='copy_engine' needs CUDA tensors")
         return _RingNccl(group, rank, world, kv)
+    if torch.cuda.is_current_stream_capturing():
+        # The copy-engine ring's counters advance on the host at every call: a graph would
+        # replay the first call's values.
+        if transport == "copy_engine":
+            raise ValueError("transport='copy_engine' cannot be captured in a CUDA graph; use "
+                             "'nccl' or 'auto'")
+        return _RingNccl(group, rank, world, kv)
     group = group or dist.group.WORLD
     key = (group.group_name, kv[0].device)
     if key not in _transport_ok:
