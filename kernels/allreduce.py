@@ -6,8 +6,8 @@ owns a buffer of 3 rotating rounds x W slots x `slot` elements, readable and wri
 peer (torch symmetric memory maps them; `PushBuffers` says where they are). A call with round
 b = count % 3 makes each rank store its partial straight into slot `rank` of round b of every
 rank's buffer (its own included), after turning -0.0 into +0.0, then spin on its own buffer
-until no element of round b holds -0.0, the "not arrived" mark, and sum the W slots in rank
-order (the same bits on every rank). No barrier: each element announces itself.
+until no element of round b holds -0.0, the "not arrived" mark (polling the W slots together),
+and sum the W slots in rank order (the same bits on every rank). No barrier: each element announces itself.
 
 Round b must hold only marks when the peers start writing it. Each call clears the round of the
 call before (its own buffer, every slot, as many elements as that call used): by then every peer
@@ -111,11 +111,12 @@ def push_message(BUF, PEERS, rnd, x, offs, mask, rank, slot, WORLD: tl.constexpr
 
 
 @triton.jit
-def _wait_slot(ptr, mask, MARK: tl.constexpr):
-    # Spin until no element of the block holds the mark; volatile loads see the peers' stores.
-    v = tl.load(ptr, mask=mask, other=0, volatile=True)
-    while tl.max((v == MARK).to(tl.int32), axis=0) > 0:
-        v = tl.load(ptr, mask=mask, other=0, volatile=True)
+def _wait_slots(ptrs, mask, MARK: tl.constexpr):
+    # Spin until no element of the [slots, BLOCK] tile holds the mark; volatile loads see the
+    # peers' stores. All slots at once: one load latency a poll, not one per rank.
+    v = tl.load(ptrs, mask=mask, other=0, volatile=True)
+    while tl.max(tl.max((v == MARK).to(tl.int32), axis=1), axis=0) > 0:
+        v = tl.load(ptrs, mask=mask, other=0, volatile=True)
     return v
 
 
@@ -124,7 +125,8 @@ def _push_all_reduce_kernel(
         X, stride_x, R, stride_r, S, stride_s, NW, Y, stride_y, BUF, PEERS, FLAGS,
         rank, N, slot, eps,
         WORLD: tl.constexpr, BLOCK: tl.constexpr, IDT: tl.constexpr, MARK: tl.constexpr,
-        HAS_NORM: tl.constexpr, PUSHED: tl.constexpr, USE_PDL: tl.constexpr):
+        HAS_NORM: tl.constexpr, PUSHED: tl.constexpr, USE_PDL: tl.constexpr,
+        WORLD_P2: tl.constexpr):
     # One program per row of the message [M, N]. Without HAS_NORM: Y = sum over ranks of X.
     # With HAS_NORM: s = sum (rounded to the dtype, as an all-reduce returns it), S = R + s
     # (rounded: the new residual), Y = rms_norm(S) * NW, as longctx.ops.rms_norm rounds.
@@ -160,10 +162,15 @@ def _push_all_reduce_kernel(
         for start in range(row * BLOCK, prev, step):
             start = tl.multiple_of(start, VEC)
             tl.store(base + start + offs, MARK, mask=start + offs < prev)
+    srcs = tl.arange(0, WORLD_P2)
+    ptrs = BUF + (rnd * WORLD + srcs)[:, None].to(tl.int64) * slot + at[None, :]
+    v = _wait_slots(ptrs, (srcs < WORLD)[:, None] & mask[None, :], MARK)
+    v = v.to(Y.dtype.element_ty, bitcast=True).to(tl.float32)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for src in tl.static_range(WORLD):
-        v = _wait_slot(BUF + (rnd * WORLD + src).to(tl.int64) * slot + at, mask, MARK)
-        acc += v.to(Y.dtype.element_ty, bitcast=True).to(tl.float32)
+        # Rank src's row (the other rows masked to +0.0, which adds exactly nothing): the sum in
+        # rank order, the same bits on every rank.
+        acc += tl.sum(tl.where((srcs == src)[:, None], v, 0.0), axis=0)
     if USE_PDL and PUSHED:
         # Every rank's GEMV has pushed: this one is ending. Wait for it before writing
         # (memory it may still read), then let the next GEMV launch.
@@ -210,6 +217,6 @@ def push_all_reduce(x: torch.Tensor, bufs: PushBuffers, *, residual: torch.Tenso
         x, x.stride(0), r, r.stride(0), s, s.stride(0), norm_weight if has_norm else x, out,
         out.stride(0), bufs.buf, bufs.peers, bufs.flags, bufs.rank, N, bufs.slot, eps,
         BLOCK=BLOCK, **push_constexprs(x.dtype, bufs.peers.numel()), HAS_NORM=has_norm,
-        PUSHED=pushed,
+        PUSHED=pushed, WORLD_P2=next_power_of_2(bufs.peers.numel()),
         num_warps=min(16, max(4, BLOCK // 512)), **pdl_launch(x.device))
     return (s, out) if has_norm else out
