@@ -181,6 +181,43 @@ def test_store_kernels_match_the_rule_bit_for_bit():
         assert torch.equal(a, b)
 
 
+@pytest.mark.gpu
+def test_fp8_api_fast_launch_and_cuda_graph():
+    """On CUDA longctx.decode (its cached plan, launched directly) and longctx.attention take the
+    fp8 cache; a captured decode replays correctly as cache_seqlens grow (no host sync)."""
+    g = torch.Generator().manual_seed(8)
+    B, S, Hq, Hkv, D = 2, 3000, 24, 8, 128
+    (kq, ks), (vq, vs) = (tuple(x.cuda() for x in quantize_kv(t)) for t in _kv((B, S, Hkv, D), g))
+    q = torch.randn(B, Hq, D, generator=g).to(torch.bfloat16).cuda()
+    k64, v64 = (dequantize_kv(x.cpu(), s.cpu(), torch.float64) for x, s in ((kq, ks), (vq, vs)))
+    lens = torch.tensor([1000, 1], dtype=torch.int32, device="cuda")
+
+    def check(o, n):
+        want, _ = reference_attention(q.cpu()[:, None].double(), k64, v64, seqlens_k=n.cpu())
+        plain, _ = reference_attention(q.cpu()[:, None], k64.bfloat16(), v64.bfloat16(),
+                                       seqlens_k=n.cpu(), compute_dtype=torch.bfloat16)
+        err = (o.cpu().double() - want[:, 0]).abs().max()
+        err_plain = (plain[:, 0].double() - want[:, 0]).abs().max()
+        assert err <= 2 * err_plain + 1e-6, (err, err_plain)
+
+    for _ in range(2):  # the first call builds the plan, the second launches it directly
+        check(longctx.decode(q, kq, vq, cache_seqlens=lens, k_scale=ks, v_scale=vs), lens)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o = longctx.decode(q, kq, vq, cache_seqlens=lens, k_scale=ks, v_scale=vs)
+    lens.copy_(torch.tensor([2999, 17], dtype=torch.int32))
+    graph.replay()
+    check(o, lens)
+    # Prefill over the fp8 history (a chunk of 300 queries at the end), the fast path twice.
+    qp = torch.randn(B, 300, Hq, D, generator=g).to(torch.bfloat16).cuda()
+    for _ in range(2):
+        o = longctx.attention(qp, kq, vq, causal=True, q_start=S - 300, k_scale=ks, v_scale=vs)
+    want, _ = reference_attention(qp.cpu().double(), k64, v64, causal=True, q_start=S - 300)
+    plain, _ = reference_attention(qp.cpu(), k64.bfloat16(), v64.bfloat16(), causal=True,
+                                   q_start=S - 300, compute_dtype=torch.bfloat16)
+    assert (o.cpu().double() - want).abs().max() <= 2 * (plain.double() - want).abs().max() + 1e-6
+
+
 # ----------------------------------------------------------------- API checks (CPU) ---------
 
 def _api_case(S=8):
@@ -213,7 +250,8 @@ def test_decode_api_fp8_on_cpu_is_the_dequantized_reference():
     (dict(k_scale="meta"), "k_scale is on meta but q is on cpu"),
     (dict(k_scale="list"), "k_scale must be a torch.Tensor"),
     (dict(v_cache="bf16"), "v_cache has dtype torch.bfloat16 but k_cache has"),
-    (dict(k_cache="f32", v_cache="f32"), r"k_scale is for an fp8 \(torch.float8_e4m3fn\) k_cache; k_cache is torch.float32"),
+    (dict(k_cache="f32", v_cache="f32"),
+     r"k_scale is for an fp8 \(torch.float8_e4m3fn\) k_cache; k_cache is torch.float32"),
 ])
 def test_decode_api_refuses_bad_fp8_arguments(change, match):
     q, kq, vq, ks, vs = _api_case()
