@@ -525,8 +525,9 @@ class DecodePlan:
             lp = base + 4 * self.lse_off if lse is None else lse.data_ptr()
             op = o.data_ptr()
             kp, vp = k_cache.data_ptr(), v_cache.data_ptr()
-            # An fp8 cache's scales; otherwise q's pointer, never dereferenced.
-            ksp, vsp = (qp, qp) if k_scale is None else (k_scale.data_ptr(), v_scale.data_ptr())
+            # An fp8 cache's scales; otherwise o's pointer (never dereferenced; allocated here, so
+            # aligned: the binary is the one without them).
+            ksp, vsp = (op, op) if k_scale is None else (k_scale.data_ptr(), v_scale.data_ptr())
             if self.num_splits == 1:
                 self.split((qp, kp, vp, slp, btp, op, lp, op, lp, lp, ksp, vsp), device)
             elif self.merge is None:  # fused merge
