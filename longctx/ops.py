@@ -164,6 +164,8 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     b = torch.arange(k.shape[0], device=k.device)
     if k_scale is not None:
         (k, k_scale[b, slot]), (v, v_scale[b, slot]) = quantize_kv(k), quantize_kv(v)
+        # As bytes: index_put is not implemented for float8 on every device.
+        k_cache, v_cache, k, v = (t.view(torch.uint8) for t in (k_cache, v_cache, k, v))
     k_cache[b, slot] = k
     v_cache[b, slot] = v
 
