@@ -10,6 +10,10 @@ a second launch (kernels/merge.py) or, with few splits, in the split kernel itse
 each program counts itself in (an atomic per group) and the last to arrive merges
 its group's partials (`fuse_merge` says when, with the measurements).
 
+An fp8 (e4m3) cache carries a float32 scale per (key, KV head) (longctx.fp8): the
+kernel reads half the bytes, widens the tiles to q's dtype and applies the scales per
+key (K's to the scores, V's to the probabilities), behind the FP8 constexpr.
+
 The split ranges are computed inside the kernel from ``cache_seqlens`` (a device
 tensor). The launch grid depends only on ``num_splits``, batch and head counts,
 never on the current lengths, so there is no host sync and a CUDA graph captured

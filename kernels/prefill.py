@@ -18,6 +18,9 @@ Features
 * Q/K/V/O tiles move through tensor descriptors (``tl.make_tensor_descriptor``:
   TMA bulk copies on Hopper, zero fill past a sequence's end), so no per-element
   offset tensors live in registers.
+* An fp8 (e4m3) KV cache (dense, ``FP8``): its tiles are widened to q's dtype
+  and its float32 scales per (key, KV head) applied per key (a chunked prefill
+  over the fp8 history; longctx.fp8).
 * head_dim D: any multiple of 8 in [16, 256]. Tiles are BLOCK_D = D padded to a
   power of two wide; the descriptors span D columns, so columns D .. BLOCK_D - 1
   load as 0 (adding 0 to Q K^T) and are dropped from the O store, with no mask
