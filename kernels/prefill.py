@@ -380,22 +380,30 @@ _D256 = (128, 64, 8, 2, None)
 # fp32 ("ieee" dots on FMA units, no tensor cores) is a correctness path: small tiles avoid spills.
 _FP32 = (32, 32, 4, 2, None)
 _FP32_D256 = (32, 16, 4, 2, None)
+# An fp8 K/V (a chunked prefill over an fp8 cache) widens its tiles in registers: _HALF spills
+# there (204 bytes at D=128) and _D256 too (92), so half the key block (D <= 128: still two
+# programs per SM under the 128-register cap) and a quarter (D > 128). Chosen from offline
+# sm_90 compiles without spills, not measured; _HALF_SHORT_Q compiles without spills as it is.
+_FP8_HALF = (128, 32, 8, 2, 128)
+_FP8_D256 = (128, 16, 8, 2, None)
 _L2_KV_HEAD_BYTES = 16 << 20
 # Every config the table can choose (the GPU tests run each one).
-LAUNCH_CONFIGS = (_HALF, _HALF_SHORT_Q, _D256, _FP32, _FP32_D256)
+LAUNCH_CONFIGS = (_HALF, _HALF_SHORT_Q, _D256, _FP32, _FP32_D256, _FP8_HALF, _FP8_D256)
 
 
 def launch_config(head_dim: int, dtype: torch.dtype, causal: bool, max_seqlen_q: int,
-                  max_seqlen_k: int) -> dict:
-    """Kernel meta-parameters for one call: BLOCK_M, BLOCK_N, num_warps, num_stages, M_FASTEST
-    and, where the table caps registers, maxnreg."""
+                  max_seqlen_k: int, fp8: bool = False) -> dict:
+    """Kernel meta-parameters for one call (dtype: q's; fp8: K/V are an fp8 cache): BLOCK_M,
+    BLOCK_N, num_warps, num_stages, M_FASTEST and, where the table caps registers, maxnreg."""
     if _INTERPRET:  # one small config: the interpreter is slow and bf16-inexact anyway
         return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=1, M_FASTEST=False)
     if dtype == torch.float32:
         cfg = _FP32 if head_dim <= 128 else _FP32_D256
     else:
         cfg = _D256 if head_dim > 128 else _HALF_SHORT_Q if max_seqlen_q <= 64 else _HALF
-    kv_head_bytes = 2 * max_seqlen_k * head_dim * dtype.itemsize
+        if fp8:
+            cfg = {_HALF: _FP8_HALF, _D256: _FP8_D256}.get(cfg, cfg)
+    kv_head_bytes = 2 * max_seqlen_k * head_dim * (1 if fp8 else dtype.itemsize)
     return _config_dict(cfg, not causal or kv_head_bytes >= _L2_KV_HEAD_BYTES)
 
 
@@ -768,7 +776,7 @@ class PrefillPlan:
         # fp32: true fp32 FMA dots (~1e-6 error) instead of TF32; ignored for fp16/bf16.
         input_precision = "ieee" if q.dtype == torch.float32 else "tf32"
         cfg = dict(config) if config is not None else launch_config(
-            d, q.dtype, bool(causal), max_seqlen_q, max_seqlen_k)
+            d, q.dtype, bool(causal), max_seqlen_q, max_seqlen_k, fp8=k_scale is not None)
         num_warps, num_stages = cfg.pop("num_warps", 4), cfg.pop("num_stages", 1)
         qs_t, ks_t = (isinstance(x, torch.Tensor) for x in (q_start, k_start))
         o_dtype = q.dtype if accumulate is None else accumulate[0].dtype

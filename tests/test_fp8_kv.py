@@ -121,12 +121,14 @@ def test_decode_kernel_reads_fp8(device, paged, B, S, Hq, Hkv, D, lens, splits):
 
 @pytest.mark.gpu
 @pytest.mark.interpreter
-def test_prefill_kernel_reads_fp8_history(device):
+@pytest.mark.parametrize("Sq,D", [(37, 32), (150, 128), (130, 256)])
+def test_prefill_kernel_reads_fp8_history(device, Sq, D):
     """A chunk of queries (q_start past the history) over the fp8 cache up to the chunk's end,
-    causal by absolute position; odd lengths, GQA group 3."""
+    causal by absolute position; odd lengths, GQA group 3; on the GPU each fp8 launch config
+    (short chunk, D <= 128, D > 128)."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float16
     g = torch.Generator().manual_seed(2)
-    B, Sq, Sk, Hq, Hkv, D = 2, 37, 101, 6, 2, 32
+    B, Sk, Hq, Hkv = 2, 101 + Sq, 6, 2
     k, v = _kv((B, Sk, Hkv, D), g)
     (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
     q = torch.randn(B, Sq, Hq, D, generator=g).to(dtype)
@@ -286,6 +288,17 @@ def test_attention_api_fp8_checks():
 
 
 # ------------------------------------------------------ config, memory, model (CPU) ---------
+
+def test_prefill_launch_config_for_fp8():
+    from longctx.kernels import prefill as P
+
+    assert P.launch_config(128, torch.bfloat16, True, 4096, 4096, fp8=True) == \
+        P._config_dict(P._FP8_HALF, False)
+    assert P.launch_config(256, torch.bfloat16, True, 4096, 4096, fp8=True) == \
+        P._config_dict(P._FP8_D256, False)
+    assert P.launch_config(128, torch.bfloat16, True, 64, 4096, fp8=True) == \
+        P._config_dict(P._HALF_SHORT_Q, False)
+
 
 def test_kv_cache_dtype_config_and_memory():
     assert resolve_kv_cache_dtype("auto", torch.bfloat16) == torch.bfloat16
