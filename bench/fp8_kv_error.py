@@ -7,7 +7,9 @@ Three granularities of the float32 scale, each with the same e4m3 values (x / sc
   head:       one per (layer, KV head), static likewise;
   token+head: one per (token, KV head), computed as each row is written (longctx.fp8), run
               through longctx's own fp8 cache.
-and, as the yardstick, the cache rounded to bfloat16 (what the models' logit margins allow).
+and, as the yardstick, the cache rounded to bfloat16 (what the models' logit margins allow); the
+model table adds token+head on K alone and on V alone (the other kept float32): where the error
+comes from.
 Bytes per element: 1 + 4 / head_dim for token+head, 1 for the others.
 
 Two measurements, against the float32 cache of the same model:
@@ -88,11 +90,15 @@ def model_error(build, prompt: torch.Tensor, steps: int) -> dict[str, dict[str, 
     tokens = torch.stack(toks + [logits[-1].argmax(-1)], dim=1)
     want = torch.stack(logits).double()
     out = {}
-    for gran in ("bf16", *GRANULARITIES):  # bf16: the yardstick, the cache rounded to bfloat16
-        if gran == "token+head":
+    # bf16: the yardstick, the cache rounded to bfloat16; "K only" / "V only": longctx's rule on
+    # one of them (emulated in float32), the other kept float32: where the error comes from.
+    variants = {"bf16": "bf16", "tensor": "tensor", "head": "head", "token+head": None,
+                "token+head, K only": ("row", "none"), "token+head, V only": ("none", "row")}
+    for gran, fmt in variants.items():
+        if fmt is None:  # longctx's own fp8 cache
             model = build(None, FP8)
         else:
-            model = build(functools.partial(RoundedKVCache, fmt=gran), None)
+            model = build(functools.partial(RoundedKVCache, fmt=fmt), None)
         got = run(model)
         d = (got - want).abs()
         lp, lq = want.log_softmax(-1), got.log_softmax(-1)

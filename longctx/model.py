@@ -75,7 +75,8 @@ class KVCache(nn.Module):
             store_fp8(self.k_cache[:, start:end], self.k_scale[:, start:end], k)
             store_fp8(self.v_cache[:, start:end], self.v_scale[:, start:end], v)
 
-    def attend(self, q: torch.Tensor, end: int, **kw) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def attend(self, q: torch.Tensor, end: int,
+               **kw) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """`attention(q, k, v, **kw)` over slots [0, end) of this cache (with an fp8 cache's
         scales)."""
         scales = {} if self.k_scale is None else dict(k_scale=self.k_scale[:, :end],
@@ -141,9 +142,10 @@ class KVCache(nn.Module):
         int64); the kernel that stores k and v rotates them (`rope_store_kv`: one launch).
         -> o [B, Hq, D] (and lse [B, Hq] with return_lse)."""
         slot, cache_seqlens = step
-        rope_store_kv(q, k, v, *rope, self.k_cache, self.v_cache, slot, self.k_scale, self.v_scale)
+        scales = {} if self.k_scale is None else dict(k_scale=self.k_scale, v_scale=self.v_scale)
+        rope_store_kv(q, k, v, *rope, self.k_cache, self.v_cache, slot, **scales)
         return decode(q, self.k_cache, self.v_cache, cache_seqlens=cache_seqlens,
-                      return_lse=return_lse, k_scale=self.k_scale, v_scale=self.v_scale)
+                      return_lse=return_lse, **scales)
 
 
 class Linear(nn.Linear):
