@@ -3,6 +3,7 @@ in kernels/decode.py). For each benchmark shape, times the split kernel + merge 
 and launch configs, and prints the best against the heuristic's pick and the floor.
 
     python bench/tune_decode.py [--shapes 1x65536 16x4096] [--splits 1 2 4 8 16 32 64 128]
+    python bench/tune_decode.py --fp8 ...   # an fp8 (e4m3) cache with its scales, bf16 q
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch"))
 from bench import graph_ms  # noqa: E402
 
+from longctx.fp8 import quantize_kv  # noqa: E402
 from longctx.kernels.bandwidth import _read_kernel, read_bandwidth  # noqa: E402
 from longctx.kernels.decode import (  # noqa: E402
     _launch_config, choose_num_splits, flash_decode_partials,
@@ -38,6 +40,7 @@ def main() -> None:
     ap.add_argument("--hq", type=int, default=16)
     ap.add_argument("--hkv", type=int, default=2)
     ap.add_argument("--d", type=int, default=128)
+    ap.add_argument("--fp8", action="store_true", help="e4m3 cache with per-(token, head) scales")
     args = ap.parse_args()
     bw = read_bandwidth()
     sms = device_sms(torch.device("cuda"))
@@ -45,14 +48,19 @@ def main() -> None:
     configs = [tuple(int(x) for x in c.split(",")) for c in args.configs]
     for shape in args.shapes:
         B, N = (int(x) for x in shape.split("x"))
-        q = torch.randn(B, args.hq, args.d, device="cuda", dtype=torch.float16)
-        k = torch.randn(B, N, args.hkv, args.d, device="cuda", dtype=torch.float16)
+        dtype = torch.bfloat16 if args.fp8 else torch.float16
+        q = torch.randn(B, args.hq, args.d, device="cuda", dtype=dtype)
+        k = torch.randn(B, N, args.hkv, args.d, device="cuda", dtype=dtype)
         v = torch.randn_like(k)
+        scales = {}
+        if args.fp8:
+            (k, ks), (v, vs) = quantize_kv(k), quantize_kv(v)
+            scales = dict(k_scale=ks, v_scale=vs)
         lens = torch.full((B,), N, device="cuda", dtype=torch.int32)
-        floor = 2 * k.numel() * 2 / bw * 1e6
+        floor = 2 * (k.numel() * k.element_size() + 4 * k[..., 0].numel() * args.fp8) / bw * 1e6
         # What a pure stream of the same bytes takes under the same timing (graph replay, cold
         # L2): the floor as a single launch can reach it, launch latency and ramp included.
-        kv = torch.cat([k.view(-1), v.view(-1)])
+        kv = torch.cat([t.reshape(-1).view(torch.uint8) for t in (k, v)]).view(torch.float16)
         grid = triton.cdiv(kv.numel(), 4096 * 4)
         part = torch.empty(grid, device="cuda", dtype=torch.float32)
         t_read = graph_ms(lambda: _read_kernel[(grid,)](kv, part, kv.numel(), BLOCK=4096, ITERS=4,
@@ -65,8 +73,9 @@ def main() -> None:
             def fn():
                 if sp == 1:
                     return flash_decode_partials(q, k, v, lens, None, args.d**-0.5, 1,
-                                                 out_dtype=q.dtype, config=cfg)
-                o, lse = flash_decode_partials(q, k, v, lens, None, args.d**-0.5, sp, config=cfg)
+                                                 out_dtype=q.dtype, config=cfg, **scales)
+                o, lse = flash_decode_partials(q, k, v, lens, None, args.d**-0.5, sp, config=cfg,
+                                               **scales)
                 return merge_states_triton(o, lse, out_dtype=q.dtype)
             try:
                 results[(sp, cfg)] = graph_ms(fn, **TIMING) * 1e3
@@ -74,7 +83,7 @@ def main() -> None:
                 print(f"  skip {sp} {cfg}: {type(e).__name__}")
         best = min(results, key=results.get)
         h_sp = choose_num_splits(B, args.hkv, N, sms)
-        h_cfg = _launch_config(args.d, torch.float16, 16, triton.cdiv(N, h_sp), q.device)
+        h_cfg = _launch_config(args.d, dtype, 16, triton.cdiv(N, h_sp), q.device)
         h = results.get((h_sp, h_cfg))
         by_split = {sp: min(t for (s, _), t in results.items() if s == sp) for sp in args.splits
                     if any(s == sp for s, _ in results)}
@@ -85,9 +94,10 @@ def main() -> None:
         print("    best per split: " + " ".join(f"{sp}:{t:.1f}" for sp, t in by_split.items()))
         sp, cfg = best
         if sp > 1:  # where the time goes: the split kernel alone, and the merge alone
-            o, lse = flash_decode_partials(q, k, v, lens, None, args.d**-0.5, sp, config=cfg)
+            o, lse = flash_decode_partials(q, k, v, lens, None, args.d**-0.5, sp, config=cfg,
+                                           **scales)
             t_split = graph_ms(lambda: flash_decode_partials(q, k, v, lens, None, args.d**-0.5, sp,
-                                                             config=cfg), **TIMING) * 1e3
+                                                             config=cfg, **scales), **TIMING) * 1e3
             t_merge = graph_ms(lambda: merge_states_triton(o, lse, out_dtype=q.dtype), **TIMING) * 1e3
             print(f"    at the best: split kernel {t_split:.1f} us, merge kernel {t_merge:.1f} us")
         del q, k, v

@@ -10,6 +10,10 @@ a second launch (kernels/merge.py) or, with few splits, in the split kernel itse
 each program counts itself in (an atomic per group) and the last to arrive merges
 its group's partials (`fuse_merge` says when, with the measurements).
 
+An fp8 (e4m3) cache carries a float32 scale per (key, KV head) (longctx.fp8): the
+kernel reads half the bytes, widens the tiles to q's dtype and applies the scales per
+key (K's to the scores, V's to the probabilities), behind the FP8 constexpr.
+
 The split ranges are computed inside the kernel from ``cache_seqlens`` (a device
 tensor). The launch grid depends only on ``num_splits``, batch and head counts,
 never on the current lengths, so there is no host sync and a CUDA graph captured
@@ -44,17 +48,22 @@ _INTERPRET = interpreter_active()
 def _attend_block(
     q, m_i, l_i, acc, n_start, end, k_head, v_head, bt_row, num_pages,
     b64, stride_k0, stride_k1, stride_v0, stride_v1, qk_scale,
+    ks_head, vs_head, stride_ks0, stride_ks1, stride_vs0, stride_vs1,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PAGED: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     """One online-softmax step over keys [n_start, n_start + BLOCK_N) clipped to `end`.
 
-    q [BLOCK_H, BLOCK_D] (cache dtype); m_i, l_i [BLOCK_H] fp32 (max / sum in exp2 domain);
-    acc [BLOCK_H, BLOCK_D] fp32 un-normalised output. n_start is a multiple of BLOCK_N.
+    q [BLOCK_H, BLOCK_D] (cache dtype; q's own for an fp8 cache); m_i, l_i [BLOCK_H] fp32 (max /
+    sum in exp2 domain); acc [BLOCK_H, BLOCK_D] fp32 un-normalised output. n_start is a multiple
+    of BLOCK_N. FP8: K and V are e4m3 with a float32 scale per key (ks_head / vs_head); the tiles
+    are only widened to q's dtype, and the scales go on the scores (K's, per column) and on the
+    probabilities before P @ V (V's), a multiply per key instead of one per element.
     """
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -80,15 +89,27 @@ def _attend_block(
         page = tl.where(page_ok, page, 0)
         k_rows = page * stride_k0 + slot * stride_k1
         v_rows = page * stride_v0 + slot * stride_v1
+        if FP8:
+            ks_rows = page * stride_ks0 + slot * stride_ks1
+            vs_rows = page * stride_vs0 + slot * stride_vs1
     else:
         pos = offs_n.to(tl.int64)
         k_rows = b64 * stride_k0 + pos * stride_k1
         v_rows = b64 * stride_v0 + pos * stride_v1
+        if FP8:
+            ks_rows = b64 * stride_ks0 + pos * stride_ks1
+            vs_rows = b64 * stride_vs0 + pos * stride_vs1
 
     k = tl.load(k_head + k_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
     v = tl.load(v_head + v_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
 
-    s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale  # [BLOCK_H, BLOCK_N]
+    if FP8:
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
+        k_sc = tl.load(ks_head + ks_rows, mask=n_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * (k_sc * qk_scale)[None, :]
+    else:
+        s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale  # [BLOCK_H, BLOCK_N]
     s = tl.where(n_mask[None, :], s, float("-inf"))
     if PAGED:
         s = tl.where(page_ok, s, float("nan"))
@@ -99,6 +120,8 @@ def _attend_block(
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
+    if FP8:
+        p = p * tl.load(vs_head + vs_rows, mask=n_mask, other=0.0)[None, :]
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
     return m_new, l_i, acc
 
@@ -113,6 +136,7 @@ def _times_8(a, b, c):
 def _decode_split_kernel(
     Q, K, V, SEQLENS, BLOCK_TABLE, O_PART, LSE_PART,
     O, LSE, ARRIVED,  # FUSED_MERGE: merged outputs, arrival counters (else unused)
+    K_SCALE, V_SCALE,  # FP8: float32 [dim0, dim1, Hkv] per-key scales (else unused)
     qk_scale,  # softmax_scale * log2(e): scores live in the exp2 domain
     num_splits,
     capacity,  # keys the cache can hold per sequence: a longer cache_seqlens entry is invalid
@@ -125,6 +149,7 @@ def _decode_split_kernel(
     stride_os, stride_ob, stride_oh,
     stride_ls, stride_lb,
     stride_out_b, stride_out_h, stride_lse_b,
+    stride_ks0, stride_ks1, stride_ks2, stride_vs0, stride_vs1, stride_vs2,
     HKV: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -141,6 +166,7 @@ def _decode_split_kernel(
     MERGE_H: tl.constexpr = 1,  # FUSED_MERGE: query-head rows merged at once (power of two)
     MERGE_P: tl.constexpr = 1,  # FUSED_MERGE: splits loaded at once
     KV_STRIDES_8: tl.constexpr = False,  # K/V strides are multiples of 8 (only told if D % 16)
+    FP8: tl.constexpr = False,  # e4m3 K/V with float32 scales per (key, KV head)
 ):
     pdl_wait(USE_PDL)  # q and the newest K/V come from the kernels before
     split = tl.program_id(0)
@@ -174,7 +200,10 @@ def _decode_split_kernel(
 
     # ---- q tile [BLOCK_H, D]; padded rows are zero and never stored ----
     q_ptrs = Q + b64 * stride_qb + q_head[:, None].to(tl.int64) * stride_qh + offs_d[None, :]
-    q = tl.load(q_ptrs, mask=hd_mask, other=0.0).to(K.dtype.element_ty)
+    if FP8:  # the fp8 tiles are widened to q's dtype (tensor-core dots in it)
+        q = tl.load(q_ptrs, mask=hd_mask, other=0.0)
+    else:
+        q = tl.load(q_ptrs, mask=hd_mask, other=0.0).to(K.dtype.element_ty)
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -188,6 +217,8 @@ def _decode_split_kernel(
     k_head = K + hkv.to(tl.int64) * stride_kh
     v_head = V + hkv.to(tl.int64) * stride_vh
     bt_row = BLOCK_TABLE + b64 * stride_btb
+    ks_head = K_SCALE + hkv.to(tl.int64) * stride_ks2
+    vs_head = V_SCALE + hkv.to(tl.int64) * stride_vs2
 
     # Empty split (start >= end): loop runs zero times -> empty state below.
     if INTERPRET_LOOP:
@@ -199,14 +230,16 @@ def _decode_split_kernel(
             m_i, l_i, acc = _attend_block(
                 q, m_i, l_i, acc, n_start, end, k_head, v_head, bt_row, num_pages,
                 b64, stride_k0, stride_k1, stride_v0, stride_v1, qk_scale,
-                HEAD_DIM, BLOCK_D, BLOCK_N, PAGED, PAGE_SIZE, INPUT_PRECISION)
+                ks_head, vs_head, stride_ks0, stride_ks1, stride_vs0, stride_vs1,
+                HEAD_DIM, BLOCK_D, BLOCK_N, PAGED, PAGE_SIZE, INPUT_PRECISION, FP8)
             n_start += BLOCK_N
     else:
         for it in range(start, end, BLOCK_N):
             m_i, l_i, acc = _attend_block(
                 q, m_i, l_i, acc, tl.multiple_of(it, BLOCK_N), end, k_head, v_head, bt_row, num_pages,
                 b64, stride_k0, stride_k1, stride_v0, stride_v1, qk_scale,
-                HEAD_DIM, BLOCK_D, BLOCK_N, PAGED, PAGE_SIZE, INPUT_PRECISION)
+                ks_head, vs_head, stride_ks0, stride_ks1, stride_vs0, stride_vs1,
+                HEAD_DIM, BLOCK_D, BLOCK_N, PAGED, PAGE_SIZE, INPUT_PRECISION, FP8)
 
     # ---- normalised partial output + natural-log LSE ----
     empty = l_i == 0.0
@@ -295,14 +328,17 @@ def _block_h(group: int) -> int:
 def _split_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   cache_seqlens: torch.Tensor | None, block_table: torch.Tensor | None,
                   softmax_scale: float, num_splits: int, out_dtype: torch.dtype,
-                  config: tuple[int, int, int] | None = None, fused_merge: bool = False) -> Launch:
+                  config: tuple[int, int, int] | None = None, fused_merge: bool = False,
+                  k_scale: torch.Tensor | None = None,
+                  v_scale: torch.Tensor | None = None) -> Launch:
     """The split kernel's launch for these inputs (read for shapes, strides, dtypes and device
     only), writing contiguous o_part [num_splits, B, Hq, D] out_dtype and lse_part
     [num_splits, B, Hq] float32; with fused_merge (out_dtype float32) also their merge, o
     [B, Hq, D] in q's dtype and lse [B, Hq] float32 (contiguous), counting arrivals in
     `fused_counters(...)` int32 zeros. Dynamic arguments: the pointers of q, k_cache, v_cache,
     cache_seqlens (q's without one), block_table (cache_seqlens' without one), o_part, lse_part,
-    o, lse, counters (without fused_merge any pointers: unused). q: [B, Hq, D] or [B, 1, Hq, D]."""
+    o, lse, counters (without fused_merge any pointers: unused), k_scale, v_scale (an fp8 cache's
+    float32 [dim0, dim1, Hkv] scales; else any pointers: unused). q: [B, Hq, D] or [B, 1, Hq, D]."""
     B, Hq, D = q.shape[0], q.shape[-2], q.shape[-1]
     Hkv = k_cache.shape[2]
     paged = block_table is not None
@@ -318,9 +354,14 @@ def _split_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_h = _block_h(group)
     block_d = next_power_of_2(D)
     keys = cdiv(capacity, num_splits)
-    block_n, num_warps, num_stages = config or _launch_config(D, k_cache.dtype, block_h, keys, q.device)
-    # fp32 caches: exact fp32 products (tf32 would cost ~1e-3 relative error).
-    precision = "ieee" if k_cache.dtype == torch.float32 else "tf32"
+    fp8 = k_scale is not None
+    # The dtype the dots run in: the cache's, or q's for an fp8 cache (its tiles widened to it).
+    compute = q.dtype if fp8 else k_cache.dtype
+    block_n, num_warps, num_stages = config or _launch_config(D, compute, block_h, keys, q.device)
+    # fp32: exact fp32 products (tf32 would cost ~1e-3 relative error).
+    precision = "ieee" if compute == torch.float32 else "tf32"
+    sks = k_scale.stride() if fp8 else (0, 0, 0)
+    svs = v_scale.stride() if fp8 else (0, 0, 0)
     sk, sv = k_cache.stride(), v_cache.stride()
     # (a multiple of 16 is specialised by Triton anyway: a power-of-two D compiles unchanged)
     kv_strides_8 = D % 16 != 0 and all(x % 8 == 0 for x in (*sk[:3], *sv[:3]))
@@ -337,17 +378,19 @@ def _split_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         _decode_split_kernel, (num_splits, B * Hkv, cdiv(group, block_h)),
         (q.dtype, k_cache.dtype, v_cache.dtype, sl_dtype,
          sl_dtype if block_table is None else block_table.dtype, out_dtype, torch.float32,
-         q.dtype if fused_merge else out_dtype, torch.float32, torch.int32),
+         q.dtype if fused_merge else out_dtype, torch.float32, torch.int32,
+         torch.float32, torch.float32),
         (float(softmax_scale) * _LOG2E, num_splits, capacity, num_pages,
          q.stride(0), q.stride(-2), *sk[:3], *sv[:3],
          0 if cache_seqlens is None else cache_seqlens.stride(0), stride_btb,
          B * Hq * D, Hq * D, D,  # o_part, contiguous
          B * Hq, Hq,  # lse_part, contiguous
-         Hq * D, D, Hq),  # o and lse (fused merge), contiguous
+         Hq * D, D, Hq,  # o and lse (fused merge), contiguous
+         *sks, *svs),
         dict(HKV=Hkv, GROUP=group, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_N=block_n,
              PAGED=paged, PAGE_SIZE=page_size, INPUT_PRECISION=precision,
              INTERPRET_LOOP=_INTERPRET,
-             HAS_SEQLENS=cache_seqlens is not None, **merge, KV_STRIDES_8=kv_strides_8,
+             HAS_SEQLENS=cache_seqlens is not None, **merge, KV_STRIDES_8=kv_strides_8, FP8=fp8,
              num_warps=num_warps,
              num_stages=num_stages, **pdl_launch(q.device)))
 
@@ -368,6 +411,8 @@ def flash_decode_partials(
     num_splits: int,
     out_dtype: torch.dtype = torch.float32,
     config: tuple[int, int, int] | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-KV decode attention; returns the un-merged partial states.
 
@@ -377,7 +422,9 @@ def flash_decode_partials(
         q: [B, Hq, D] fp16/bf16/fp32, last-dim stride 1 (other strides arbitrary); cast to the
             cache dtype inside the kernel.
         k_cache, v_cache: contiguous [B, S_max, Hkv, D] (block_table None) or paged
-            [num_pages, page_size, Hkv, D]; last-dim stride 1.
+            [num_pages, page_size, Hkv, D]; last-dim stride 1. Or float8_e4m3fn, with k_scale,
+            v_scale float32 [B, S_max, Hkv] / [num_pages, page_size, Hkv] (last-dim stride 1):
+            key j of head h is k_cache[.., j, h, :] * k_scale[.., j, h] (V likewise).
         cache_seqlens: [B] int32 on q's device, or None: every sequence holds `capacity` keys.
             A length outside [0, capacity] or a page id outside [0, num_pages) within the
             length makes that sequence's output NaN.
@@ -394,13 +441,15 @@ def flash_decode_partials(
     """
     B, Hq, D = q.shape
     launch = _split_launch(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale,
-                           num_splits, out_dtype, config)
+                           num_splits, out_dtype, config, k_scale=k_scale, v_scale=v_scale)
     o_part = torch.empty((num_splits, B, Hq, D), device=q.device, dtype=out_dtype)
     lse_part = torch.empty((num_splits, B, Hq), device=q.device, dtype=torch.float32)
     sl = q if cache_seqlens is None else cache_seqlens
     bt = sl if block_table is None else block_table
+    ks, vs = (lse_part, lse_part) if k_scale is None else (k_scale, v_scale)
     # Tuning: Triton's launch path. o, lse and the counters (fused merge only) are not used.
-    launch.generic(q, k_cache, v_cache, sl, bt, o_part, lse_part, o_part, lse_part, lse_part)
+    launch.generic(q, k_cache, v_cache, sl, bt, o_part, lse_part, o_part, lse_part, lse_part,
+                   ks, vs)
     return o_part, lse_part
 
 
@@ -425,7 +474,8 @@ class DecodePlan:
     def __init__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  cache_seqlens: torch.Tensor | None, block_table: torch.Tensor | None,
                  softmax_scale: float, num_splits: int | None, return_lse: bool,
-                 merge: str = "auto") -> None:
+                 merge: str = "auto", k_scale: torch.Tensor | None = None,
+                 v_scale: torch.Tensor | None = None) -> None:
         B, Hq, D = q.shape[0], q.shape[-2], q.shape[-1]
         if num_splits is None:
             capacity = (block_table.shape[1] * k_cache.shape[1] if block_table is not None
@@ -443,24 +493,28 @@ class DecodePlan:
         self.counters = 0
         if rows == 0:
             return
+        scales = dict(k_scale=k_scale, v_scale=v_scale)
         if num_splits == 1:
             self.split = _split_launch(q, k_cache, v_cache, cache_seqlens, block_table,
-                                       softmax_scale, 1, q.dtype)
+                                       softmax_scale, 1, q.dtype, **scales)
         elif fuse_merge(num_splits, merge):
             self.split = _split_launch(q, k_cache, v_cache, cache_seqlens, block_table,
-                                       softmax_scale, num_splits, torch.float32, fused_merge=True)
+                                       softmax_scale, num_splits, torch.float32, fused_merge=True,
+                                       **scales)
             self.counters = fused_counters(q, k_cache)
         else:
             self.split = _split_launch(q, k_cache, v_cache, cache_seqlens, block_table,
-                                       softmax_scale, num_splits, torch.float32)
+                                       softmax_scale, num_splits, torch.float32, **scales)
             self.merge = merge_states_launch(num_splits, rows, D, (rows * D, D), (rows, 1),
                                              (torch.float32, torch.float32, q.dtype), q.device)
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  cache_seqlens: torch.Tensor | None, block_table: torch.Tensor | None,
-                 device: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+                 device: int | None, k_scale: torch.Tensor | None = None,
+                 v_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(o shaped like q in q's dtype, lse [B, Hq] float32 or None when not return_lse).
-        device: the current CUDA device for fast launches, None for Triton's path."""
+        device: the current CUDA device for fast launches, None for Triton's path. k_scale,
+        v_scale: an fp8 cache's scales (the plan was made with them)."""
         dev = q.device
         # o has q's shape and dtype: empty_like parses its arguments in half torch.empty's time.
         o = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -480,29 +534,35 @@ class DecodePlan:
             lp = base + 4 * self.lse_off if lse is None else lse.data_ptr()
             op = o.data_ptr()
             kp, vp = k_cache.data_ptr(), v_cache.data_ptr()
+            # An fp8 cache's scales; otherwise o's pointer (never dereferenced; allocated here, so
+            # aligned: the binary is the one without them).
+            ksp, vsp = (op, op) if k_scale is None else (k_scale.data_ptr(), v_scale.data_ptr())
             if self.num_splits == 1:
-                self.split((qp, kp, vp, slp, btp, op, lp, op, lp, lp), device)
+                self.split((qp, kp, vp, slp, btp, op, lp, op, lp, lp, ksp, vsp), device)
             elif self.merge is None:  # fused merge
                 counters = stream_counters(self.counters, device)
                 self.split((qp, kp, vp, slp, btp, base, base + 4 * self.lse_part_off, op, lp,
-                            counters.data_ptr()), device)
+                            counters.data_ptr(), ksp, vsp), device)
             else:
                 lpp = base + 4 * self.lse_part_off
-                self.split((qp, kp, vp, slp, btp, base, lpp, op, lp, lp), device)
+                self.split((qp, kp, vp, slp, btp, base, lpp, op, lp, lp, ksp, vsp), device)
                 self.merge((base, lpp, op, lp), device)
             return o, lse
         scratch = torch.empty(self.scratch, dtype=torch.float32, device=dev) if self.scratch else None
         lse_out = lse if lse is not None else scratch[self.lse_off:]
+        ks, vs = (lse_out, lse_out) if k_scale is None else (k_scale, v_scale)
         if self.num_splits == 1:
-            self.split.generic(q, k_cache, v_cache, sl, bt, o, lse_out, o, lse_out, lse_out)
+            self.split.generic(q, k_cache, v_cache, sl, bt, o, lse_out, o, lse_out, lse_out, ks, vs)
             return o, lse
         o_part = scratch[:self.lse_part_off]
         lse_part = scratch[self.lse_part_off:self.lse_off]
         if self.merge is None:  # fused merge
             counters = torch.zeros(self.counters, dtype=torch.int32, device=dev)
-            self.split.generic(q, k_cache, v_cache, sl, bt, o_part, lse_part, o, lse_out, counters)
+            self.split.generic(q, k_cache, v_cache, sl, bt, o_part, lse_part, o, lse_out, counters,
+                               ks, vs)
         else:
-            self.split.generic(q, k_cache, v_cache, sl, bt, o_part, lse_part, o, lse_out, lse_out)
+            self.split.generic(q, k_cache, v_cache, sl, bt, o_part, lse_part, o, lse_out, lse_out,
+                               ks, vs)
             self.merge.generic(o_part, lse_part, o, lse_out)
         return o, lse
 
@@ -539,20 +599,23 @@ def flash_decode(
     softmax_scale: float,
     num_splits: int | None,
     merge: str = "auto",
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Flash-Decoding: split kernel, then the merge of the splits (`merge`: "fused" in the
     split kernel, "separate" by the merge layer's kernel, "auto" as `fuse_merge` decides).
 
     q [B, Hq, D] or [B, 1, Hq, D]. Returns o shaped like q in q's dtype and lse [B, Hq]
     float32 natural log. With one split the split kernel writes the final output directly
-    (no merge). cache_seqlens None: every sequence is full.
+    (no merge). cache_seqlens None: every sequence is full. An fp8 cache takes its scales
+    (k_scale, v_scale; see flash_decode_partials).
 
     Launches through Triton's generic path; longctx.decode caches the DecodePlan per input
     signature and launches directly.
     """
     plan = DecodePlan(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale,
-                      num_splits, return_lse=True, merge=merge)
-    return plan(q, k_cache, v_cache, cache_seqlens, block_table, None)
+                      num_splits, return_lse=True, merge=merge, k_scale=k_scale, v_scale=v_scale)
+    return plan(q, k_cache, v_cache, cache_seqlens, block_table, None, k_scale, v_scale)
 
 
 def choose_num_splits(

@@ -1,6 +1,7 @@
 """Small fused Triton kernels for the model's decode step: RMSNorm, rotary embedding of q and k,
 SiLU-and-multiply, the KV-cache store, and RoPE with the KV-cache store in one kernel (what a
-decode step runs; prefill rotates with rope_ and stores with tensor copies).
+decode step runs; prefill rotates with rope_ and stores with tensor copies, or into an fp8 cache
+with store_fp8). Writing an fp8 cache quantizes in the writing kernel (longctx.fp8's rule).
 
 At batch 1 a Llama layer's non-matmul ops are dozens of tiny kernels (RMSNorm alone is eight
 torch ops); each costs a launch and a ramp, a few µs, against ~0.45 ms of weight reads per
@@ -155,6 +156,51 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def _fp8_scale(amax):
+    # The fp8 cache's scale of rows whose |max| is amax (float32), and the divisor that maps them
+    # onto e4m3's range: longctx.fp8.quantize_fp8's rule (scale = amax / 448; x / divisor in
+    # float32). A zero row divides by 1: scale 0 and zeros, never NaN.
+    scale = amax / 448.0
+    return scale, tl.where(scale == 0.0, 1.0, scale)
+
+
+@triton.jit
+def _store_fp8_kernel(X, Y, S, stride_xb, stride_xs, stride_xh, stride_yb, stride_ys, stride_yh,
+                      stride_sb, stride_ss, SEQ, H, BLOCK_H: tl.constexpr, D: tl.constexpr,
+                      BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr):
+    # One program per token t = b * SEQ + s: its H heads quantized (one scale per head), the fp8
+    # rows to Y and the scales to S (unit stride in the head dim).
+    pdl_wait(USE_PDL)
+    t = tl.program_id(0)
+    b = (t // SEQ).to(tl.int64)
+    s = (t % SEQ).to(tl.int64)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = _cols_mask((offs_h < H)[:, None], D, BLOCK_D)
+    head = offs_h[:, None].to(tl.int64)
+    x = tl.load(X + b * stride_xb + s * stride_xs + head * stride_xh + offs_d[None, :], mask=mask,
+                other=0.0).to(tl.float32)
+    scale, div = _fp8_scale(tl.max(tl.abs(x), axis=1))
+    tl.store(Y + b * stride_yb + s * stride_ys + head * stride_yh + offs_d[None, :],
+             (x / div[:, None]).to(Y.dtype.element_ty), mask=mask)
+    tl.store(S + b * stride_sb + s * stride_ss + offs_h, scale, mask=offs_h < H)
+
+
+def store_fp8(dst: torch.Tensor, dst_scale: torch.Tensor, x: torch.Tensor) -> None:
+    """dst, dst_scale = quantize_kv(x): x [B, S, H, D] (unit stride in D) into the fp8 view dst
+    [B, S, H, D] (unit stride in D) and its float32 scales dst_scale [B, S, H] (unit stride in
+    H), in one pass."""
+    B, S, H, D = x.shape
+    if B * S == 0:
+        return
+    _store_fp8_kernel[(B * S,)](
+        x, dst, dst_scale, x.stride(0), x.stride(1), x.stride(2), dst.stride(0), dst.stride(1),
+        dst.stride(2), dst_scale.stride(0), dst_scale.stride(1), S, H,
+        BLOCK_H=next_power_of_2(H), D=D, BLOCK_D=next_power_of_2(D),
+        num_warps=4 if H * D >= 2048 else 2, **pdl_launch(x.device))
+
+
+@triton.jit
 def _store_kv_kernel(KC, VC, K, V, SLOT, S_MAX, stride_cb, stride_cs, stride_ch,
                      stride_kb, stride_kh, stride_vb, stride_vh, H,
                      BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -191,11 +237,12 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 
 @triton.jit
-def _rope_store_kv_kernel(Q, K, V, COS, SIN, POS, KC, VC, SLOT, S_MAX,
+def _rope_store_kv_kernel(Q, K, V, COS, SIN, POS, KC, VC, SLOT, KS, VS, S_MAX,
                           stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
-                          stride_p, stride_t, stride_cb, stride_cs, stride_ch, HQ, HKV,
+                          stride_p, stride_t, stride_cb, stride_cs, stride_ch, stride_sb,
+                          stride_ss, HQ, HKV,
                           HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-                          USE_PDL: tl.constexpr):
+                          USE_PDL: tl.constexpr, FP8: tl.constexpr = False):
     # A decode step's RoPE and KV store, one token per sequence b = program_id(0): programs
     # j < cdiv(HQ, BLOCK_H) rotate a block of q heads in place (as _rope_kernel); the others
     # rotate a block of k heads in place too and write them and the same v heads at cache
@@ -222,25 +269,50 @@ def _rope_store_kv_kernel(Q, K, V, COS, SIN, POS, KC, VC, SLOT, S_MAX,
                         _cols_mask((offs_h < HKV)[:, None], HALF, BLOCK_HALF), False)
         offs_d = tl.arange(0, BLOCK_HALF)[None, :]
         dst = b * stride_cb + slot * stride_cs + head * stride_ch + offs_d
-        tl.store(KC + dst, k1, mask=mask)
-        tl.store(KC + dst + HALF, k2, mask=mask)
         src = V + b * stride_vb + head * stride_vh + offs_d
-        tl.store(VC + dst, tl.load(src, mask=mask), mask=mask)
-        tl.store(VC + dst + HALF, tl.load(src + HALF, mask=mask), mask=mask)
+        if FP8:
+            # Quantize the rotated k (rounded to k's dtype, as stored otherwise) and v: one
+            # scale per head over both halves (longctx.fp8.quantize_kv), written beside them.
+            dst_s = b * stride_sb + slot * stride_ss + offs_h
+            s_mask = tl.where((slot >= 0) & (slot < S_MAX), offs_h < HKV, False)
+            k1, k2 = k1.to(tl.float32), k2.to(tl.float32)
+            k_scale, k_div = _fp8_scale(tl.maximum(tl.max(tl.abs(k1), axis=1),
+                                                   tl.max(tl.abs(k2), axis=1)))
+            v1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+            v2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+            v_scale, v_div = _fp8_scale(tl.maximum(tl.max(tl.abs(v1), axis=1),
+                                                   tl.max(tl.abs(v2), axis=1)))
+            tl.store(KS + dst_s, k_scale, mask=s_mask)
+            tl.store(VS + dst_s, v_scale, mask=s_mask)
+            tl.store(KC + dst, (k1 / k_div[:, None]).to(KC.dtype.element_ty), mask=mask)
+            tl.store(KC + dst + HALF, (k2 / k_div[:, None]).to(KC.dtype.element_ty), mask=mask)
+            tl.store(VC + dst, (v1 / v_div[:, None]).to(VC.dtype.element_ty), mask=mask)
+            tl.store(VC + dst + HALF, (v2 / v_div[:, None]).to(VC.dtype.element_ty), mask=mask)
+        else:
+            tl.store(KC + dst, k1, mask=mask)
+            tl.store(KC + dst + HALF, k2, mask=mask)
+            tl.store(VC + dst, tl.load(src, mask=mask), mask=mask)
+            tl.store(VC + dst + HALF, tl.load(src + HALF, mask=mask), mask=mask)
 
 
 def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                   sin: torch.Tensor, pos: torch.Tensor, k_cache: torch.Tensor,
-                  v_cache: torch.Tensor, slot: torch.Tensor) -> None:
+                  v_cache: torch.Tensor, slot: torch.Tensor, k_scale: torch.Tensor | None = None,
+                  v_scale: torch.Tensor | None = None) -> None:
     """rope_ of q [B, Hq, D] and k [B, Hkv, D] in place at positions pos [B] (any stride), then
     store_kv of k and v [B, Hkv, D] at slot [B] int64: one launch. q/k/v unit stride in D;
-    caches [B, S_max, Hkv, D] contiguous; cos/sin the [max_seq_len, D] float32 tables."""
+    caches [B, S_max, Hkv, D] contiguous; cos/sin the [max_seq_len, D] float32 tables. An fp8
+    cache (float8_e4m3fn) stores quantize_kv of k and v, their scales to k_scale / v_scale
+    [B, S_max, Hkv] float32 contiguous."""
     B, HQ, D = q.shape
     HKV = k.shape[1]
     BLOCK_H = min(next_power_of_2(HQ), 16)
+    fp8 = k_scale is not None
+    ks, vs = (k_scale, v_scale) if fp8 else (slot, slot)  # dummies, never dereferenced
     _rope_store_kv_kernel[(B, cdiv(HQ, BLOCK_H) + cdiv(HKV, BLOCK_H))](
-        q, k, v, cos, sin, pos, k_cache, v_cache, slot, k_cache.shape[1], q.stride(0),
+        q, k, v, cos, sin, pos, k_cache, v_cache, slot, ks, vs, k_cache.shape[1], q.stride(0),
         q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), pos.stride(0),
-        cos.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), HQ, HKV,
-        HALF=D // 2, BLOCK_HALF=next_power_of_2(D // 2), BLOCK_H=BLOCK_H, num_warps=2,
+        cos.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        ks.stride(0) if fp8 else 0, ks.stride(1) if fp8 else 0, HQ, HKV,
+        HALF=D // 2, BLOCK_HALF=next_power_of_2(D // 2), BLOCK_H=BLOCK_H, FP8=fp8, num_warps=2,
         **pdl_launch(q.device))

@@ -18,6 +18,9 @@ Features
 * Q/K/V/O tiles move through tensor descriptors (``tl.make_tensor_descriptor``:
   TMA bulk copies on Hopper, zero fill past a sequence's end), so no per-element
   offset tensors live in registers.
+* An fp8 (e4m3) KV cache (dense, ``FP8``): its tiles are widened to q's dtype
+  and its float32 scales per (key, KV head) applied per key (a chunked prefill
+  over the fp8 history; longctx.fp8).
 * head_dim D: any multiple of 8 in [16, 256]. Tiles are BLOCK_D = D padded to a
   power of two wide; the descriptors span D columns, so columns D .. BLOCK_D - 1
   load as 0 (adding 0 to Q K^T) and are dropped from the O store, with no mask
@@ -72,9 +75,11 @@ def _attn_fwd_step(
     k_desc, v_desc,
     start_n, offs_m, offs_n,
     delta, seqlen_k, qk_scale,
+    ks_ptr, vs_ptr, stride_kss, stride_vss,
     MASKED: tl.constexpr,
     CAUSAL: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     """Fold one KV tile (keys ``start_n + offs_n``) into the running softmax state.
 
@@ -91,9 +96,17 @@ def _attn_fwd_step(
     MASKED=False: every (row, key) pair of the tile is visible and in bounds,
     so no mask and no -inf guard is needed (the hot path).
     MASKED=True: diagonal band and/or ragged KV tail.
+    FP8: K/V tiles are e4m3, widened to q's dtype; key j's float32 scales (ks_ptr / vs_ptr +
+    j * stride) multiply its score column and, before P @ V, its probability column.
     """
     k = k_desc.load([start_n, 0])
-    qk = tl.dot(q, k.T, input_precision=INPUT_PRECISION)
+    if FP8:
+        keys_in = start_n + offs_n < seqlen_k
+        k = k.to(q.dtype)
+        qk = tl.dot(q, k.T, input_precision=INPUT_PRECISION)
+        qk = qk * tl.load(ks_ptr + (start_n + offs_n) * stride_kss, mask=keys_in, other=0.0)[None, :]
+    else:
+        qk = tl.dot(q, k.T, input_precision=INPUT_PRECISION)
 
     # ---- online softmax (base 2) ---------------------------------------------
     if MASKED:
@@ -119,6 +132,9 @@ def _attn_fwd_step(
 
     # ---- O += P V ---------------------------------------------------------------
     v = v_desc.load([start_n, 0])
+    if FP8:
+        v = v.to(q.dtype)
+        p = p * tl.load(vs_ptr + (start_n + offs_n) * stride_vss, mask=keys_in, other=0.0)[None, :]
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=INPUT_PRECISION)
     return acc, l_i, m_new
 
@@ -130,11 +146,13 @@ def _attn_fwd_inner(
     lo, hi,
     offs_m, offs_n,
     delta, seqlen_k, qk_scale,
+    ks_ptr, vs_ptr, stride_kss, stride_vss,
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,
     CAUSAL: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     INTERPRET: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     """Consume KV tiles ``[lo, hi)`` (``lo`` a multiple of BLOCK_N); returns (acc, l_i, m_i)."""
     if INTERPRET:
@@ -144,7 +162,8 @@ def _attn_fwd_inner(
         while start_n < hi:
             acc, l_i, m_i = _attn_fwd_step(
                 acc, l_i, m_i, q, k_desc, v_desc, start_n, offs_m, offs_n,
-                delta, seqlen_k, qk_scale, MASKED, CAUSAL, INPUT_PRECISION)
+                delta, seqlen_k, qk_scale, ks_ptr, vs_ptr, stride_kss, stride_vss,
+                MASKED, CAUSAL, INPUT_PRECISION, FP8)
             start_n += BLOCK_N
     else:
         # scf.for with runtime bounds: software-pipelined by num_stages (TMA loads).
@@ -152,7 +171,8 @@ def _attn_fwd_inner(
             start_n = tl.multiple_of(start_n, BLOCK_N)
             acc, l_i, m_i = _attn_fwd_step(
                 acc, l_i, m_i, q, k_desc, v_desc, start_n, offs_m, offs_n,
-                delta, seqlen_k, qk_scale, MASKED, CAUSAL, INPUT_PRECISION)
+                delta, seqlen_k, qk_scale, ks_ptr, vs_ptr, stride_kss, stride_vss,
+                MASKED, CAUSAL, INPUT_PRECISION, FP8)
     return acc, l_i, m_i
 
 
@@ -163,6 +183,7 @@ def _attn_fwd_kernel(
     Q, K, V, O, LSE,
     Q_START, K_START,          # python ints or int32/int64 pointers [B]
     CU_SEQLENS_Q, CU_SEQLENS_K,  # int32 [B+1] (varlen only; dummy otherwise)
+    K_SCALE, V_SCALE,          # FP8: float32 [B, Sk, Hkv] per-key scales (dummies otherwise)
     stride_qb, stride_qs, stride_qh,  # head_dim stride is 1 (tensor descriptors need it)
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -172,6 +193,8 @@ def _attn_fwd_kernel(
     max_seqlen_q,              # sizes the grid: cdiv(max_seqlen_q, BLOCK_M) query tiles per head
     num_heads_q, group_size,
     qk_scale,                  # softmax_scale * log2(e)
+    stride_ksb, stride_kss, stride_ksh,  # FP8: the scales' strides (0 otherwise)
+    stride_vsb, stride_vss, stride_vsh,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -184,6 +207,7 @@ def _attn_fwd_kernel(
     INTERPRET: tl.constexpr,
     M_FASTEST: tl.constexpr = False,
     ACCUMULATE: tl.constexpr = False,
+    FP8: tl.constexpr = False,  # e4m3 K/V (dense) with float32 scales per (key, KV head)
 ):
     """One program = one (batch, q head, BLOCK_M query rows) tile.
 
@@ -248,6 +272,8 @@ def _attn_fwd_kernel(
     v_desc = tl.make_tensor_descriptor(V + v_base, shape=[seqlen_k, HEAD_DIM],
                                        strides=[stride_vs, 1], block_shape=[BLOCK_N, BLOCK_D])
     q = q_desc.load([m0, 0])
+    ks_ptr = K_SCALE + b64 * stride_ksb + off_kvh.to(tl.int64) * stride_ksh
+    vs_ptr = V_SCALE + b64 * stride_vsb + off_kvh.to(tl.int64) * stride_vsh
 
     # ---- KV loop bounds from absolute positions ---------------------------
     rows_end = tl.minimum(m0 + BLOCK_M, seqlen_q)  # exclusive, real rows only
@@ -280,11 +306,13 @@ def _attn_fwd_kernel(
     # Stage 1: fully visible, in-bounds tiles -> no masking at all.
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_desc, v_desc, 0, mid, offs_m, offs_n, delta, seqlen_k, qk_scale,
-        BLOCK_N, False, CAUSAL, INPUT_PRECISION, INTERPRET)
+        ks_ptr, vs_ptr, stride_kss, stride_vss, BLOCK_N, False, CAUSAL, INPUT_PRECISION,
+        INTERPRET, FP8)
     # Stage 2: diagonal band (+ ragged KV tail).
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_desc, v_desc, mid, hi, offs_m, offs_n, delta, seqlen_k, qk_scale,
-        BLOCK_N, True, CAUSAL, INPUT_PRECISION, INTERPRET)
+        ks_ptr, vs_ptr, stride_kss, stride_vss, BLOCK_N, True, CAUSAL, INPUT_PRECISION,
+        INTERPRET, FP8)
 
     # ---- epilogue: normalise; empty rows -> O = 0, LSE = -inf ---------------
     empty = l_i == 0.0
@@ -352,22 +380,30 @@ _D256 = (128, 64, 8, 2, None)
 # fp32 ("ieee" dots on FMA units, no tensor cores) is a correctness path: small tiles avoid spills.
 _FP32 = (32, 32, 4, 2, None)
 _FP32_D256 = (32, 16, 4, 2, None)
+# An fp8 K/V (a chunked prefill over an fp8 cache) widens its tiles in registers: _HALF spills
+# there (204 bytes at D=128) and _D256 too (92), so half the key block (D <= 128: still two
+# programs per SM under the 128-register cap) and a quarter (D > 128). Chosen from offline
+# sm_90 compiles without spills, not measured; _HALF_SHORT_Q compiles without spills as it is.
+_FP8_HALF = (128, 32, 8, 2, 128)
+_FP8_D256 = (128, 16, 8, 2, None)
 _L2_KV_HEAD_BYTES = 16 << 20
 # Every config the table can choose (the GPU tests run each one).
-LAUNCH_CONFIGS = (_HALF, _HALF_SHORT_Q, _D256, _FP32, _FP32_D256)
+LAUNCH_CONFIGS = (_HALF, _HALF_SHORT_Q, _D256, _FP32, _FP32_D256, _FP8_HALF, _FP8_D256)
 
 
 def launch_config(head_dim: int, dtype: torch.dtype, causal: bool, max_seqlen_q: int,
-                  max_seqlen_k: int) -> dict:
-    """Kernel meta-parameters for one call: BLOCK_M, BLOCK_N, num_warps, num_stages, M_FASTEST
-    and, where the table caps registers, maxnreg."""
+                  max_seqlen_k: int, fp8: bool = False) -> dict:
+    """Kernel meta-parameters for one call (dtype: q's; fp8: K/V are an fp8 cache): BLOCK_M,
+    BLOCK_N, num_warps, num_stages, M_FASTEST and, where the table caps registers, maxnreg."""
     if _INTERPRET:  # one small config: the interpreter is slow and bf16-inexact anyway
         return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=1, M_FASTEST=False)
     if dtype == torch.float32:
         cfg = _FP32 if head_dim <= 128 else _FP32_D256
     else:
         cfg = _D256 if head_dim > 128 else _HALF_SHORT_Q if max_seqlen_q <= 64 else _HALF
-    kv_head_bytes = 2 * max_seqlen_k * head_dim * dtype.itemsize
+        if fp8:
+            cfg = {_HALF: _FP8_HALF, _D256: _FP8_D256}.get(cfg, cfg)
+    kv_head_bytes = 2 * max_seqlen_k * head_dim * (1 if fp8 else dtype.itemsize)
     return _config_dict(cfg, not causal or kv_head_bytes >= _L2_KV_HEAD_BYTES)
 
 
@@ -581,6 +617,8 @@ def flash_attention_fwd(
     max_seqlen_k: int | None = None,
     accumulate: tuple[torch.Tensor, torch.Tensor] | None = None,
     _config: dict | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Attention forward returning (O, LSE), or merging them into a running state.
 
@@ -597,6 +635,11 @@ def flash_attention_fwd(
     LSE = -inf. Hq must be a multiple of Hkv (GQA: head h reads KV head
     h // (Hq // Hkv)). fp16/bf16/fp32 inputs, fp32 accumulation.
 
+    Dense k/v may be an fp8 cache (float8_e4m3fn, q in a wider dtype) with k_scale / v_scale
+    float32 [B, Sk, Hkv] (unit stride in Hkv): key j is k[:, j] * k_scale[:, j] (longctx.fp8),
+    the tiles widened to q's dtype in the kernel and the scales applied per key. head_dim must
+    then be a multiple of 16 (TMA's 16-byte alignment of the fp8 rows). Triton kernel only.
+
     accumulate (dense only): (o_acc [B, Sq, Hq, D] float32, lse_acc [B, Sq, Hq] float32), a
     running state as `longctx.merge.merge_into` keeps it; the result is merged into it in
     place and nothing is returned (no partial O is written: a ring step's fused merge).
@@ -612,25 +655,35 @@ def flash_attention_fwd(
     # unit head_dim stride); only what the kernel itself relies on is asserted here.
     is_varlen = cu_seqlens_q is not None
     check_prefill_args(q, k, v, q_start, k_start, cu_seqlens_q, max_seqlen_q, max_seqlen_k,
-                       accumulate)
+                       accumulate, k_scale)
     plan = PrefillPlan(q, k, v, softmax_scale=softmax_scale, causal=causal, q_start=q_start,
                        k_start=k_start, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                       accumulate=accumulate, config=_config)
+                       accumulate=accumulate, config=_config, k_scale=k_scale, v_scale=v_scale)
     # Triton's generic launch path; longctx.attention caches the plan and launches directly.
-    return plan(q, k, v, q_start, k_start, cu_seqlens_q, cu_seqlens_k, accumulate, None)
+    return plan(q, k, v, q_start, k_start, cu_seqlens_q, cu_seqlens_k, accumulate, None,
+                k_scale, v_scale)
 
 
 def check_prefill_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        q_start: int | torch.Tensor, k_start: int | torch.Tensor,
                        cu_seqlens_q: torch.Tensor | None, max_seqlen_q: int | None,
                        max_seqlen_k: int | None,
-                       accumulate: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+                       accumulate: tuple[torch.Tensor, torch.Tensor] | None,
+                       k_scale: torch.Tensor | None = None) -> None:
     """What `flash_attention_fwd` itself relies on beyond longctx.attention's checks (a function
     of shapes, strides, dtypes and devices only)."""
     is_varlen = cu_seqlens_q is not None
     if any(t.stride(-1) != 1 for t in (q, k, v)):
         raise ValueError("q, k, v need unit stride in head_dim (the tiles move by TMA)")
+    if k_scale is not None:
+        if is_varlen or accumulate is not None:
+            raise ValueError("k_scale / v_scale (an fp8 k/v) are for dense inputs without "
+                             "accumulate")
+        if q.shape[-1] % 16 or any(x % 16 for t in (k, v) for x in t.stride()[:3]):
+            raise ValueError(f"an fp8 k/v needs head_dim a multiple of 16 and strides of 16 bytes "
+                             f"(TMA), got head_dim {q.shape[-1]}, k strides {k.stride()}, v "
+                             f"strides {v.stride()}")
     if accumulate is not None:
         if is_varlen:
             raise ValueError("accumulate is for dense inputs only")
@@ -664,7 +717,8 @@ class PrefillPlan:
                  cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None,
                  max_seqlen_q: int | None, max_seqlen_k: int | None,
                  accumulate: tuple[torch.Tensor, torch.Tensor] | None,
-                 config: dict | None, return_lse: bool = True) -> None:
+                 config: dict | None, return_lse: bool = True,
+                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
         is_varlen = cu_seqlens_q is not None
         self.launch = self.hopper = None
         self.return_lse = return_lse
@@ -722,21 +776,24 @@ class PrefillPlan:
         # fp32: true fp32 FMA dots (~1e-6 error) instead of TF32; ignored for fp16/bf16.
         input_precision = "ieee" if q.dtype == torch.float32 else "tf32"
         cfg = dict(config) if config is not None else launch_config(
-            d, q.dtype, bool(causal), max_seqlen_q, max_seqlen_k)
+            d, q.dtype, bool(causal), max_seqlen_q, max_seqlen_k, fp8=k_scale is not None)
         num_warps, num_stages = cfg.pop("num_warps", 4), cfg.pop("num_stages", 1)
         qs_t, ks_t = (isinstance(x, torch.Tensor) for x in (q_start, k_start))
         o_dtype = q.dtype if accumulate is None else accumulate[0].dtype
+        fp8 = k_scale is not None
+        scale_strides = (*k_scale.stride(), *v_scale.stride()) if fp8 else (0,) * 6
         self.launch = Launch(
             _attn_fwd_kernel, (batch * hq * cdiv(max_seqlen_q, cfg["BLOCK_M"]),),
             (q.dtype, k.dtype, v.dtype, o_dtype, torch.float32,
-             q_start.dtype if qs_t else None, k_start.dtype if ks_t else None, *cu_dtypes),
+             q_start.dtype if qs_t else None, k_start.dtype if ks_t else None, *cu_dtypes,
+             torch.float32, torch.float32),
             (sq_b, sq_s, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h, so_b, so_s, so_h,
              sl_b, sl_h, sl_s, seqlen_q_dense, seqlen_k_dense, max_seqlen_q,
-             hq, hq // hkv, float(softmax_scale) * _LOG2E),
+             hq, hq // hkv, float(softmax_scale) * _LOG2E, *scale_strides),
             dict(HEAD_DIM=d, BLOCK_D=block_d, CAUSAL=bool(causal), IS_VARLEN=is_varlen,
                  Q_START_IS_TENSOR=qs_t, K_START_IS_TENSOR=ks_t, INPUT_PRECISION=input_precision,
                  INTERPRET=_INTERPRET, ACCUMULATE=accumulate is not None, **cfg,
-                 num_warps=num_warps, num_stages=num_stages))
+                 num_warps=num_warps, num_stages=num_stages, **({"FP8": True} if fp8 else {})))
 
     def _offset(self, x: int | torch.Tensor, i: int, batch: int) -> int | torch.Tensor:
         """A start offset as the kernel takes it: a python int, or a contiguous [batch] tensor."""
@@ -750,11 +807,13 @@ class PrefillPlan:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  q_start: int | torch.Tensor, k_start: int | torch.Tensor,
                  cu_seqlens_q: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None,
-                 accumulate: tuple[torch.Tensor, torch.Tensor] | None, device: int | None
+                 accumulate: tuple[torch.Tensor, torch.Tensor] | None, device: int | None,
+                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(o, lse), or None when merging into `accumulate`; lse is None when the plan was made
         without return_lse and launched fast (it then goes to the stream's scratch). device: the
-        current CUDA device for a fast launch, None for Triton's path."""
+        current CUDA device for a fast launch, None for Triton's path. k_scale / v_scale: an
+        fp8 k/v's scales (the plan was made with them)."""
         hopper = self.hopper
         if hopper is not None and ((q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15
                                    or _prefill_choice == "triton"):
@@ -788,7 +847,8 @@ class PrefillPlan:
                 qs, ks = self._offset(q_start, 0, batch), self._offset(k_start, 1, batch)
                 if q.is_cuda:
                     _set_allocator()  # tensor descriptors made on the device need global scratch
-                self.launch.generic(q, k, v, o, lse, qs, ks, cu_q, cu_k)
+                scales = (k_scale, v_scale) if k_scale is not None else (lse, lse)  # dummies
+                self.launch.generic(q, k, v, o, lse, qs, ks, cu_q, cu_k, *scales)
             return None if accumulate is not None else (o, lse)
         # Held until the launch is queued: inside a graph capture stream_scratch allocates, and a
         # buffer dropped earlier could be handed to the launch's own scratch (overlapping it).
@@ -799,7 +859,9 @@ class PrefillPlan:
             hopper(ptrs, q_start, k_start, cu_q, cu_k, q.device, device)
         else:
             qs, ks = self._offset(q_start, 0, batch), self._offset(k_start, 1, batch)
+            scales = ((k_scale.data_ptr(), v_scale.data_ptr()) if k_scale is not None
+                      else (ptrs[4], ptrs[4]))  # dummies (the LSE's), never dereferenced
             self.launch(ptrs + (qs if type(qs) is int else qs.data_ptr(),
                                 ks if type(ks) is int else ks.data_ptr(),
-                                cu_q.data_ptr(), cu_k.data_ptr()), device)
+                                cu_q.data_ptr(), cu_k.data_ptr()) + scales, device)
         return None if accumulate is not None else (o, lse)

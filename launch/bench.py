@@ -6,6 +6,7 @@
                                                   # layouts, D=64/256, varlen
     python launch/bench.py case=prefill prefill_table=head_dims # D=96/192/128/256 rows
     python launch/bench.py case=decode decode_table=head_dims   # D=96/192/128 rows
+    python launch/bench.py case=decode decode_table=fp8  # fp8 KV cache vs bf16 longctx, vLLM fp8
     python launch/bench.py case=decode decode.shapes='[[1,65536]]' tag=h100
 
 Needs a CUDA GPU. Every number is a median of `bench_ms` (each repetition starts with a cold,
@@ -186,52 +187,163 @@ def decode_peers(q, k_t, v_t):
 
 
 def decode_plan(c: DictConfig) -> list[tuple[int, int, int]]:
-    """(head_dim, batch, kv length) of every decode row: `shapes` at head_dim, then the
-    extra_head_dims rows."""
+    """(head_dim, batch, kv length) of every decode row at (q_heads, kv_heads): `shapes` at
+    head_dim, then the extra_head_dims rows."""
     plan = [(c.head_dim, B, N) for B, N in c.shapes]
     for d, shapes in (c.get("extra_head_dims") or {}).items():
         plan += [(int(d), B, N) for B, N in shapes]
     return plan
 
 
+def decode_rows(c: DictConfig) -> list[tuple[int, int, int, int, int]]:
+    """(q heads, kv heads, head_dim, batch, kv length) of every decode row: decode_plan's at
+    (q_heads, kv_heads), then each extra_heads entry [q heads, kv heads, [[batch, length], ...]]
+    at head_dim."""
+    rows = [(c.q_heads, c.kv_heads, d, B, N) for d, B, N in decode_plan(c)]
+    for hq, hkv, shapes in c.get("extra_heads") or []:
+        rows += [(int(hq), int(hkv), c.head_dim, B, N) for B, N in shapes]
+    return rows
+
+
+def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """fp32 decode attention: q [B, Hq, D], k/v [B, N, Hkv, D] (any float dtype) -> [B, Hq, D]."""
+    return torch.nn.functional.scaled_dot_product_attention(
+        q[:, :, None].float(), k.float().transpose(1, 2), v.float().transpose(1, 2),
+        enable_gqa=True)[:, :, 0]
+
+
+VLLM_PEER = ROOT / ".peers" / "vllm_triton_decode_attention.py"
+
+
+def load_vllm_peer():
+    """vLLM's Triton decode-attention module from VLLM_PEER (bench/fetch_vllm_peer.sh takes it
+    from the vllm wheel), its imports of vLLM stubbed where vLLM is not installed: the platform
+    (CUDA, not ROCm) and vllm.triton_utils (Triton itself). FileNotFoundError without the file."""
+    import importlib.util
+    import types
+
+    if not VLLM_PEER.exists():
+        raise FileNotFoundError(f"{VLLM_PEER} missing: run bash "
+                                "bench/fetch_vllm_peer.sh where pip reaches PyPI, carry .peers/")
+    saved = {n: sys.modules.get(n) for n in ("vllm", "vllm.platforms", "vllm.triton_utils")}
+    try:
+        import vllm.platforms  # noqa: F401  (the real one, where installed)
+    except ImportError:
+        platforms = types.ModuleType("vllm.platforms")
+        platforms.current_platform = types.SimpleNamespace(is_rocm=lambda: False)
+        utils = types.ModuleType("vllm.triton_utils")
+        utils.tl, utils.triton = triton.language, triton
+        sys.modules.update({"vllm": types.ModuleType("vllm"), "vllm.platforms": platforms,
+                            "vllm.triton_utils": utils})
+    try:
+        spec = importlib.util.spec_from_file_location("vllm_triton_decode_attention", VLLM_PEER)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        for name, m in saved.items():
+            if m is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = m
+    return mod
+
+
+def vllm_fp8_peer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  page_size: int = 16) -> tuple[Callable[[], Callable[[], torch.Tensor]], torch.Tensor]:
+    """vLLM's Triton decode kernel over an fp8 cache with its per-tensor scales (vLLM's fp8 KV
+    format): (make, its fp32 reference on the same dequantized values). The cache is k/v
+    [B, N, Hkv, D] quantized, in pages of page_size slots, sequence b's pages in order; the
+    split count is the best of 4-64 for the shape (timed, CUDA-graph replay)."""
+    from longctx.fp8 import FP8, quantize_fp8
+
+    B, N, Hkv, D = k.shape
+    Hq = q.shape[1]
+    (kq, ks), (vq, vs) = (quantize_fp8(t, t.abs().amax().float()) for t in (k, v))
+    ref = attention_ref(q, kq.float() * ks, vq.float() * vs)
+    pages = -(-N // page_size)
+
+    def make():
+        mod = load_vllm_peer()
+        kb = kq.view(B * N // page_size, page_size, Hkv, D)
+        vb = vq.view(B * N // page_size, page_size, Hkv, D)
+        table = torch.arange(B * pages, device=q.device, dtype=torch.int32).view(B, pages)
+        lens = torch.full((B,), N, device=q.device, dtype=torch.int32)
+        o = torch.empty_like(q)
+        lse = torch.empty(B, Hq, device=q.device, dtype=torch.float32)
+
+        def with_splits(n: int) -> Callable[[], torch.Tensor]:
+            logits = torch.empty(B, Hq, n, D + 1, device=q.device, dtype=torch.float32)
+
+            def fn():
+                mod.decode_attention_fwd(q, kb, vb, o, lse, table, lens, logits, n, D**-0.5,
+                                         page_size, 0.0, ks, vs)
+                return o
+            return fn
+
+        best = min((graph_ms(with_splits(n), 5, 20), n) for n in (4, 8, 16, 32, 64))
+        return with_splits(best[1])
+    return make, ref
+
+
 def run_decode(cfg: DictConfig) -> dict:
     c = cfg.decode
     dtype = DTYPES[c.dtype]
+    fp8 = c.get("kv_cache_dtype", "auto") == "fp8_e4m3"
     bw = read_bandwidth()
     print(f"HBM read bandwidth (streaming read kernel, 4 GiB): {bw / 1e12:.2f} TB/s")
     rows = []
-    for D, B, N in decode_plan(c):
-        Hq, Hkv = c.q_heads, c.kv_heads
+    for Hq, Hkv, D, B, N in decode_rows(c):
         q = torch.randn(B, Hq, D, device="cuda", dtype=dtype)
         k = torch.randn(B, N, Hkv, D, device="cuda", dtype=dtype)
         v = torch.randn(B, N, Hkv, D, device="cuda", dtype=dtype)
         seqlens = torch.full((B,), N, device="cuda", dtype=torch.int32)
         kv_bytes = 2 * k.numel() * k.element_size()
+        ref = half_ref = attention_ref(q, k, v)  # fp32, over the cache in the table's dtype
+        if fp8:
+            # longctx's fp8 cache: e4m3 K/V and a float32 scale per (token, KV head), counted in
+            # the floor; its reference attends to the same dequantized values.
+            from longctx.fp8 import dequantize_kv, quantize_kv
+
+            (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
+            kv_bytes = 2 * (kq.numel() + 4 * ks.numel())
+            ref = attention_ref(q, dequantize_kv(kq, ks), dequantize_kv(vq, vs))
+
+            def ours():
+                return longctx.decode(q, kq, vq, cache_seqlens=seqlens, num_splits=c.num_splits,
+                                      k_scale=ks, v_scale=vs)
+        else:
+            def ours():
+                return longctx.decode(q, k, v, cache_seqlens=seqlens, num_splits=c.num_splits)
         floor_us = kv_bytes / bw * 1e6
-
-        def ours():
-            return longctx.decode(q, k, v, cache_seqlens=seqlens, num_splits=c.num_splits)
-
-        ref = torch.nn.functional.scaled_dot_product_attention(  # fp32 reference [B, Hq, D]
-            q[:, :, None].float(), k.float().transpose(1, 2), v.float().transpose(1, 2),
-            enable_gqa=True)[:, :, 0]
         err = (ours().float() - ref).abs().max().item()
-        row = {"head_dim": D, "batch": B, "seq_len": N, "kv_bytes": kv_bytes, "floor_us": floor_us,
+        row = {"q_heads": Hq, "kv_heads": Hkv, "head_dim": D, "batch": B, "seq_len": N,
+               "kv_cache_dtype": "fp8_e4m3" if fp8 else c.dtype, "kv_bytes": kv_bytes,
+               "floor_us": floor_us,
                "longctx_us": bench_ms(ours, cfg.warmup_ms, cfg.rep_ms) * 1e3, "longctx_max_err": err}
         if c.cuda_graph:
             row["longctx_graph_us"] = graph_ms(ours, cfg.warmup_ms, cfg.rep_ms) * 1e3
         k_t, v_t = k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
-        peers = decode_peers(q[:, :, None], k_t, v_t)
+        # Each peer with the fp32 reference of what it reads: the sdpa peers [B, Hq, 1, D] and
+        # longctx_bf16 (longctx on the cache in the table's dtype) the unquantized cache.
+        peers = {n: (make, half_ref[:, :, None])
+                 for n, make in decode_peers(q[:, :, None], k_t, v_t).items()}
+        peers["longctx_bf16"] = (lambda: lambda: longctx.decode(
+            q, k, v, cache_seqlens=seqlens, num_splits=c.num_splits), half_ref)
+        if "vllm_fp8" in c.peers:
+            peers["vllm_fp8"] = vllm_fp8_peer(q, k, v)
         for name in c.peers:
-            ms, gms, why = try_peer(name, peers[name], ref[:, :, None], cfg, graph=c.cuda_graph)
+            ms, gms, why = try_peer(name, *peers[name], cfg, graph=c.cuda_graph)
             row[f"{name}_us"] = None if ms is None else ms * 1e3
             row[f"{name}_graph_us"] = None if gms is None else gms * 1e3
             if why:
                 row[f"{name}_note"] = why
         rows.append(row)
-        del q, k, v, k_t, v_t
+        del q, k, v, k_t, v_t, peers
         torch.cuda.empty_cache()
         print_row_decode(row, c.peers, header=len(rows) == 1)
+        for name in c.peers:  # a peer that could not run, and why (e.g. vLLM's file missing)
+            if row.get(f"{name}_note") and len(rows) == 1:
+                print(f"  {name}: {row[f'{name}_note']}")
     return {"read_bandwidth_Bps": bw, "rows": rows}
 
 
@@ -244,14 +356,17 @@ def best_us(r: dict, name: str) -> float | None:
 def print_row_decode(r: dict, peers, header: bool) -> None:
     if header:
         print("(µs, each the faster of eager and CUDA-graph replay; %floor and speedup use longctx's)")
-        print(f"{'D':>3} {'B':>4} {'N':>7} {'floor':>7} {'eager':>8} {'graph':>7} {'%floor':>6} "
+        print(f"{'heads':>5} {'D':>3} {'B':>4} {'N':>7} {'floor':>7} {'eager':>8} {'graph':>7} "
+              f"{'%floor':>6} "
               + " ".join(f"{p:>10}" for p in peers) + f" {'vs best':>7} {'err':>8}")
     best_t = [best_us(r, p) for p in peers if best_us(r, p)]
     t = best_us(r, "longctx")
     best = min(best_t) if best_t else math.nan
     peers_s = " ".join(f"{best_us(r, p):>10.1f}" if best_us(r, p) else f"{'n/a':>10}"
                        for p in peers)
-    print(f"{r.get('head_dim', 128):>3} {r['batch']:>4} {r['seq_len']:>7} {r['floor_us']:>7.1f} "
+    heads = f"{r.get('q_heads', '')}/{r.get('kv_heads', '')}"
+    print(f"{heads:>5} {r.get('head_dim', 128):>3} {r['batch']:>4} {r['seq_len']:>7} "
+          f"{r['floor_us']:>7.1f} "
           f"{r['longctx_us']:>8.1f} "
           f"{r.get('longctx_graph_us', math.nan):>7.1f} {100 * r['floor_us'] / t:>5.0f}% "
           f"{peers_s} {best / t:>6.2f}x {r['longctx_max_err']:>8.1e}")

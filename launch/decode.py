@@ -38,6 +38,7 @@ import torch.distributed as dist  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from longctx.config import ModelArgs, check_chunk, check_decode_config, resolve_dtype  # noqa: E402
+from longctx.fp8 import kv_bytes_per_element, resolve_kv_cache_dtype  # noqa: E402
 from longctx.generate import Generation, generate, generate_synthetic  # noqa: E402
 from longctx.hardware import available_memory, code_commit, read_bandwidth  # noqa: E402
 from longctx.parallel.memory import GiB, check_memory, estimate_memory, largest_context  # noqa: E402
@@ -95,12 +96,14 @@ def layout_bytes_per_step(model: Transformer, dims: ParallelDims, batch: int,
     """Bytes one decode step of this layout reads from memory, summed over all GPUs: every rank's
     weights (the embedding table only for the looked-up rows; tensor-parallel shards once, sp
     replicas each time) and the KV cache at mean_len positions (KV heads replicated under tp
-    count once per replica). The model's own bytes are ModelArgs.decode_bytes."""
+    count once per replica; an fp8 cache's scales included). The model's own bytes are
+    ModelArgs.decode_bytes."""
     args, e = model.args, model.lm_head.weight.element_size()
     weights = sum(p.nbytes for n, p in model.named_parameters() if not n.startswith("embed_tokens"))
     weights = (weights + batch * args.dim * e) * dims.world_size
     kv_heads = dims.local_kv_heads(args) * dims.tp
-    kv = 2 * args.n_layers * batch * mean_len * kv_heads * args.head_dim * e
+    kv = (2 * args.n_layers * batch * mean_len * kv_heads * args.head_dim
+          * kv_bytes_per_element(model.layers[0].self_attn.kv_cache.k_cache.dtype, args.head_dim))
     return {"weights": float(weights), "kv_cache": float(kv), "total": float(weights + kv)}
 
 
@@ -166,7 +169,8 @@ def report(s: dict) -> None:
                    f"in {s['synthetic_fill_s']:.3f} s")
     peak = s.get("peak_memory_bytes")
     log.info(
-        f"\n{s['model']} {s['dtype']} | {s['world_size']} x {s['device']} (tp={s['tp']}, "
+        f"\n{s['model']} {s['dtype']} (KV cache {s['kv_cache_dtype']}) | {s['world_size']} x "
+        f"{s['device']} (tp={s['tp']}, "
         f"sp={s['sp']}) | batch {s['batch']}, context {s['prompt_len']}, "
         f"{s['decode_steps']} decode steps, CUDA graphs {'on' if s['cuda_graphs'] else 'off'}\n"
         f"prefill     {prefill}\n"
@@ -186,6 +190,7 @@ def report(s: dict) -> None:
 def run(cfg: DictConfig, device: torch.device, rank: int, world: int, run_dir: Path,
         dims: ParallelDims, args: ModelArgs, ckpt: HFCheckpoint | None) -> None:
     dtype = resolve_dtype(cfg.dtype, device)
+    kv_dtype = resolve_kv_cache_dtype(cfg.kv_cache_dtype, dtype)
     torch.manual_seed(cfg.seed)  # sampling: the same draws on every rank
     if rank == 0:
         OmegaConf.save(cfg, run_dir / "config.yaml")
@@ -205,6 +210,7 @@ def run(cfg: DictConfig, device: torch.device, rank: int, world: int, run_dir: P
     max_seq_len = P + cfg.gen_len
     cuda_graphs = bool(cfg.cuda_graphs) and device.type == "cuda"
     info = {"model": args.name, "params": args.num_params(), "dtype": str(dtype).removeprefix("torch."),
+            "kv_cache_dtype": str(kv_dtype).removeprefix("torch."),
             "device": device_name(device), "world_size": world, "tp": dims.tp, "sp": dims.sp,
             "batch": B, "prompt_len": P, "gen_len": cfg.gen_len, "prefill_chunk": chunk,
             "cuda_graphs": cuda_graphs, "rope_scaling": describe_rope(args.rope_scaling),
@@ -212,7 +218,8 @@ def run(cfg: DictConfig, device: torch.device, rank: int, world: int, run_dir: P
     log.info(f"run directory {run_dir}")
     n = info["params"]
     size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
-    log.info(f"{args.name}: {size} parameters, {info['dtype']}, {world} x "
+    log.info(f"{args.name}: {size} parameters, {info['dtype']} (KV cache "
+             f"{info['kv_cache_dtype']}), {world} x "
              f"{info['device']}, tp={dims.tp} sp={dims.sp}, batch {B}, "
              f"{'synthetic KV cache of' if synthetic else 'prompt'} {P} tokens, "
              f"{cfg.gen_len} generated; rope scaling {info['rope_scaling']}"
@@ -227,7 +234,8 @@ def run(cfg: DictConfig, device: torch.device, rank: int, world: int, run_dir: P
 
     available = int(cfg.memory_gb * GiB) if cfg.memory_gb is not None else available_memory(device)
     where = f"{device} (memory_gb={cfg.memory_gb})" if cfg.memory_gb is not None else str(device)
-    plan = dict(batch=B, dtype=dtype, device_type=device.type, prefill_chunk=chunk)
+    plan = dict(batch=B, dtype=dtype, device_type=device.type, prefill_chunk=chunk,
+                kv_cache_dtype=kv_dtype)
     largest = largest_context(args, tp=dims.tp, sp=dims.sp, available=available,
                               gen_len=cfg.gen_len, synthetic=synthetic, **plan)
     info["largest_context_len"] = largest
@@ -240,7 +248,7 @@ def run(cfg: DictConfig, device: torch.device, rank: int, world: int, run_dir: P
     t0 = time.perf_counter()
     model = build_model(args, weights=ckpt or RandomWeights(cfg.seed), device=device, dtype=dtype,
                         batch=B, max_seq_len=max_seq_len, mesh=dims.build_mesh(device.type),
-                        all_reduce=cfg.parallel.all_reduce)
+                        all_reduce=cfg.parallel.all_reduce, kv_cache_dtype=kv_dtype)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -258,7 +266,8 @@ def run(cfg: DictConfig, device: torch.device, rank: int, world: int, run_dir: P
                        **sampling)
     mean_len = P + cfg.gen_len / 2  # decode steps attend to P+1 ... P+gen_len-1 positions
     e = model.lm_head.weight.element_size()
-    summary = summarize(gen, info, args.decode_bytes(B, mean_len, e),
+    summary = summarize(gen, info,
+                        args.decode_bytes(B, mean_len, e, kv_bytes_per_element(kv_dtype, args.head_dim)),
                         layout_bytes_per_step(model, dims, B, mean_len), bw, bw_what, world,
                         args.prefill_flops(B, P))
     summary["memory_estimate_bytes"] = {"weights": est.weights, "kv_cache": est.kv_cache,

@@ -68,6 +68,8 @@ def attention(
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
     return_lse: bool = False,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of q over k/v, optionally returning the state's log-sum-exp.
 
@@ -86,6 +88,10 @@ def attention(
         max_seqlen_q, max_seqlen_k: varlen: the longest sequence (sizes the CUDA grid). If
             omitted they are read from cu_seqlens, which costs a host sync on CUDA.
         return_lse: also return the LSE.
+        k_scale, v_scale: dense k/v from an fp8 cache (both float8_e4m3fn, q in its own dtype):
+            their float32 scales [B, Sk, Hkv] (unit stride in Hkv), key j of KV head h being
+            k[:, j, h] * k_scale[:, j, h] (longctx.fp8); required with fp8 k/v, refused
+            otherwise. On CUDA head_dim must then be a multiple of 16.
 
     Returns:
         o shaped like q, in q's dtype; with return_lse also the LSE, float32 natural log,
@@ -108,28 +114,30 @@ def attention(
                    k.get_device(), k.dtype, k.shape, k.stride(),
                    v.get_device(), v.dtype, v.shape, v.stride(), causal, softmax_scale,
                    sig(q_start), sig(k_start), varlen and (sig(cu_seqlens_q), sig(cu_seqlens_k)),
-                   max_seqlen_q, max_seqlen_k, return_lse)
+                   max_seqlen_q, max_seqlen_k, return_lse, sig(k_scale), sig(v_scale))
             plan = _PLANS.get(key)
         except (AttributeError, TypeError):  # not tensors / unhashable: validation says what
             key = plan = None
         if plan is None:
             scale = _check_attention(q, k, v, causal, softmax_scale, q_start, k_start,
                                      cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                     return_lse, varlen)
+                                     return_lse, varlen, k_scale, v_scale)
             _kp.check_prefill_args(q, k, v, q_start, k_start, cu_seqlens_q, max_seqlen_q,
-                                   max_seqlen_k, None)
+                                   max_seqlen_k, None, k_scale)
             plan = _kp.PrefillPlan(q, k, v, softmax_scale=scale, causal=causal, q_start=q_start,
                                    k_start=k_start, cu_seqlens_q=cu_seqlens_q,
                                    cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                                    max_seqlen_k=max_seqlen_k, accumulate=None, config=None,
-                                   return_lse=return_lse)
+                                   return_lse=return_lse, k_scale=k_scale, v_scale=v_scale)
             if key is not None:
                 kl.remember(_PLANS, key, plan)
-        o, lse = plan(q, k, v, q_start, k_start, cu_seqlens_q, cu_seqlens_k, None, dev)
+        o, lse = plan(q, k, v, q_start, k_start, cu_seqlens_q, cu_seqlens_k, None, dev,
+                      k_scale, v_scale)
         return (o, lse) if return_lse else o
 
     scale = _check_attention(q, k, v, causal, softmax_scale, q_start, k_start, cu_seqlens_q,
-                             cu_seqlens_k, max_seqlen_q, max_seqlen_k, return_lse, varlen)
+                             cu_seqlens_k, max_seqlen_q, max_seqlen_k, return_lse, varlen,
+                             k_scale, v_scale)
     if use_triton_for(q):
         _kernels()
         if varlen and max_seqlen_q is None:
@@ -139,23 +147,27 @@ def attention(
         o, lse = _kp.flash_attention_fwd(
             q, k, v, softmax_scale=scale, causal=causal, q_start=q_start, k_start=k_start,
             cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, k_scale=k_scale, v_scale=v_scale,
         )
     elif varlen:
         o, lse = _reference_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale,
                                    q_start, k_start)
     else:
         o, lse = reference_attention(q, k, v, causal=causal, softmax_scale=scale,
-                                     q_start=q_start, k_start=k_start)
+                                     q_start=q_start, k_start=k_start, k_scale=k_scale,
+                                     v_scale=v_scale)
     return (o, lse) if return_lse else o
 
 
 def _check_attention(q, k, v, causal, softmax_scale, q_start, k_start, cu_seqlens_q, cu_seqlens_k,
-                     max_seqlen_q, max_seqlen_k, return_lse, varlen) -> float:
+                     max_seqlen_q, max_seqlen_k, return_lse, varlen, k_scale=None,
+                     v_scale=None) -> float:
     """`attention`'s input checks; returns the softmax scale."""
     if varlen and (cu_seqlens_q is None or cu_seqlens_k is None):
         raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together (varlen mode)")
-    check_attention_inputs(q, k, v, softmax_scale, varlen)
+    if varlen and (k_scale is not None or v_scale is not None):
+        raise ValueError("k_scale / v_scale (an fp8 k/v) are for dense inputs, not varlen")
+    check_attention_inputs(q, k, v, softmax_scale, varlen, k_scale, v_scale)
     check_flag("causal", causal)
     check_flag("return_lse", return_lse)
     check_optional_int("max_seqlen_q", max_seqlen_q, 0)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from longctx.fp8 import FP8, check_kv_scales
+
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -63,9 +65,11 @@ def check_attention_inputs(
     v: torch.Tensor,
     softmax_scale: float | None,
     varlen: bool = False,
+    k_scale: object = None,
+    v_scale: object = None,
 ) -> None:
     """q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] (varlen: [total, H, D]): shapes, dtype, device,
-    strides, head_dim, GQA and scale.
+    strides, head_dim, GQA and scale; an fp8 k/v's scales (longctx.fp8.check_kv_scales).
 
     Shared by `attention` and the ring, which must reject bad input before any rank communicates.
     """
@@ -78,7 +82,13 @@ def check_attention_inputs(
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have unit stride in its last (head_dim) dim")
     check_dtype(q, "q")
-    check_same(q, "q", k=k, v=v)
+    if k.dtype == FP8:  # an fp8 cache's history: q keeps its dtype, the scales come along
+        check_same(k, "k", v=v)
+        if k.device != q.device:
+            raise ValueError(f"k is on {k.device} but q is on {q.device}")
+    else:
+        check_same(q, "q", k=k, v=v)
+    check_kv_scales(k, v, k_scale, v_scale, q.device, "k", "v")
     if k.shape != v.shape:
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
     if not varlen and k.shape[0] != q.shape[0]:

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from longctx.fp8 import resolve_kv_cache_dtype
 from longctx.rope import RopeScaling
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -172,8 +173,9 @@ class ModelArgs:
         attn = self.dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
         return attn + 3 * self.dim * self.intermediate_size
 
-    def kv_bytes_per_token(self, element_size: int) -> int:
-        """Bytes of one position's K and V over all layers and KV heads."""
+    def kv_bytes_per_token(self, element_size: float) -> float:
+        """Bytes of one position's K and V over all layers and KV heads, at element_size bytes per
+        element (an fp8 cache: 1 + its scales' 4 / head_dim, longctx.fp8.kv_bytes_per_element)."""
         return 2 * self.n_layers * self.n_kv_heads * self.head_dim * element_size
 
     def prefill_flops(self, batch: int, prompt_len: int) -> float:
@@ -188,12 +190,14 @@ class ModelArgs:
         pairs = batch * prompt_len * (prompt_len + 1) / 2
         return float(linear + 4 * self.n_layers * self.n_heads * self.head_dim * pairs)
 
-    def decode_bytes(self, batch: int, mean_len: float, element_size: int) -> dict[str, float]:
+    def decode_bytes(self, batch: int, mean_len: float, element_size: int,
+                     kv_element_size: float | None = None) -> dict[str, float]:
         """The model's own bytes per decode step, whatever the layout: every weight once (of the
         embedding table only the `batch` looked-up rows) and the KV cache of all KV heads once
-        at `mean_len` positions. {"weights", "kv_cache", "total"}."""
+        at `mean_len` positions, kv_element_size bytes per element (default element_size; an fp8
+        cache's scales included). {"weights", "kv_cache", "total"}."""
         weights = (self.num_params() - self.vocab_size * self.dim + batch * self.dim) * element_size
-        kv = batch * mean_len * self.kv_bytes_per_token(element_size)
+        kv = batch * mean_len * self.kv_bytes_per_token(kv_element_size or element_size)
         return {"weights": float(weights), "kv_cache": float(kv), "total": float(weights + kv)}
 
 
@@ -268,6 +272,7 @@ def check_decode_config(cfg: Mapping[str, Any]) -> None:
     positive_int("gen_len", cfg["gen_len"], least=2)
     positive_int("batch", cfg["batch"])
     resolve_dtype(cfg["dtype"], torch.device("cpu"))  # raises for an unknown name
+    resolve_kv_cache_dtype(cfg.get("kv_cache_dtype", "auto"), torch.float32)  # likewise
     s = cfg["sampling"]
     if not isinstance(s["temperature"], (int, float)) or s["temperature"] < 0:
         raise ValueError(f"sampling.temperature must be >= 0 (0 = greedy), got {s['temperature']!r}")

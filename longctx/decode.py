@@ -9,10 +9,12 @@ from longctx.checks import (
     check_dtype, check_flag, check_gqa, check_head_dim, check_optional_int, check_same,
     check_softmax_scale, check_tensor,
 )
+from longctx.fp8 import FP8, check_kv_scales
 from longctx.reference import reference_attention
 
 
-def _check_decode_args(q, k_cache, v_cache, cache_seqlens, block_table, num_splits, return_lse):
+def _check_decode_args(q, k_cache, v_cache, cache_seqlens, block_table, num_splits, return_lse,
+                       k_scale=None, v_scale=None):
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache),
                     ("cache_seqlens", cache_seqlens), ("block_table", block_table)):
         if t is not None or name in ("q", "k_cache", "v_cache"):
@@ -24,7 +26,12 @@ def _check_decode_args(q, k_cache, v_cache, cache_seqlens, block_table, num_spli
     if q.dim() not in (3, 4):
         raise ValueError(f"q must be [B, Hq, D] or [B, 1, Hq, D], got shape {tuple(q.shape)}")
     check_dtype(q, "q")
-    check_same(q, "q", k_cache=k_cache, v_cache=v_cache)
+    if k_cache.dtype == FP8:  # q keeps its dtype; the kernel widens the fp8 tiles to it
+        check_same(k_cache, "k_cache", v_cache=v_cache)
+        if k_cache.device != q.device:
+            raise ValueError(f"k_cache is on {k_cache.device} but q is on {q.device}")
+    else:
+        check_same(q, "q", k_cache=k_cache, v_cache=v_cache)
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(
             "k_cache and v_cache must both be [B, S_max, Hkv, D] (or paged [num_pages, "
@@ -62,6 +69,7 @@ def _check_decode_args(q, k_cache, v_cache, cache_seqlens, block_table, num_spli
             )
         if cache_seqlens.device != q.device:
             raise ValueError(f"cache_seqlens is on {cache_seqlens.device} but q is on {q.device}")
+    check_kv_scales(k_cache, v_cache, k_scale, v_scale, q.device)
 
 
 def _check_decode_values(q, k_cache, cache_seqlens, block_table, capacity):
@@ -93,7 +101,8 @@ def _check_decode_values(q, k_cache, cache_seqlens, block_table, capacity):
 
 
 def gather_pages(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-    """Paged cache [num_pages, page_size, Hkv, D] + block_table [B, P] -> [B, P*page_size, Hkv, D].
+    """Paged cache [num_pages, page_size, Hkv, D] + block_table [B, P] -> [B, P*page_size, Hkv, D]
+    (its scales [num_pages, page_size, Hkv] -> [B, P*page_size, Hkv] alike).
 
     Entries past a sequence's length may hold any id; they are clamped (and masked later).
     """
@@ -133,6 +142,8 @@ def decode(
     softmax_scale: float | None = None,
     num_splits: int | None = None,
     return_lse: bool = False,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Decode attention (Flash-Decoding): each sequence's one query token over its KV cache.
 
@@ -140,7 +151,8 @@ def decode(
         q: [B, Hq, D] or [B, 1, Hq, D], float16/bfloat16/float32 (float64 on CPU); D
             (head_dim) a multiple of 8 in [16, 256].
         k_cache, v_cache: contiguous [B, S_max, Hkv, D], or paged [num_pages, page_size, Hkv, D]
-            with `block_table`; same dtype/device as q; Hq % Hkv == 0.
+            with `block_table`; same dtype/device as q; Hq % Hkv == 0. Or an fp8 cache:
+            float8_e4m3fn (both), with k_scale / v_scale.
         cache_seqlens: [B] int32, valid length of each sequence (0 allowed). Default: the full
             capacity (S_max, or max_pages * page_size when paged).
         block_table: [B, max_pages] int32 page ids, in any order; pages may be shared.
@@ -148,6 +160,12 @@ def decode(
         num_splits: KV splits per sequence on CUDA; None chooses from the SM count, batch, heads
             and capacity. Any value >= 1 gives the same result up to rounding.
         return_lse: also return the LSE.
+        k_scale, v_scale: an fp8 cache's scales, float32, on q's device, shaped like the cache
+            without head_dim ([B, S_max, Hkv], paged [num_pages, page_size, Hkv]; unit stride in
+            Hkv): key j of KV head h is k_cache[.., j, h, :] * k_scale[.., j, h], value likewise
+            (longctx.fp8: one scale per token and KV head). Required with an fp8 cache, refused
+            without one. The kernel widens the fp8 tiles to q's dtype and applies the scales
+            per key in registers.
 
     Returns:
         o with q's shape and dtype; with return_lse also lse [B, Hq] float32, natural log.
@@ -169,23 +187,25 @@ def decode(
                    k_cache.get_device(), k_cache.dtype, k_cache.shape, k_cache.stride(),
                    v_cache.get_device(), v_cache.dtype, v_cache.shape, v_cache.stride(),
                    kl.signature(cache_seqlens), kl.signature(block_table), softmax_scale,
-                   num_splits, return_lse, kl.pdl_allowed())
+                   num_splits, return_lse, kl.pdl_allowed(), kl.signature(k_scale),
+                   kl.signature(v_scale))
             plan = _PLANS.get(key)
         except (AttributeError, TypeError):  # not tensors / unhashable: validation says what
             key = plan = None
         if plan is None:
             _check_decode_args(q, k_cache, v_cache, cache_seqlens, block_table, num_splits,
-                               return_lse)
+                               return_lse, k_scale, v_scale)
             check_softmax_scale(softmax_scale)
             scale = softmax_scale if softmax_scale is not None else q.shape[-1]**-0.5
             plan = _kd.DecodePlan(q, k_cache, v_cache, cache_seqlens, block_table, scale,
-                                 num_splits, return_lse)
+                                 num_splits, return_lse, k_scale=k_scale, v_scale=v_scale)
             if key is not None:
                 kl.remember(_PLANS, key, plan)
-        o, lse = plan(q, k_cache, v_cache, cache_seqlens, block_table, dev)
+        o, lse = plan(q, k_cache, v_cache, cache_seqlens, block_table, dev, k_scale, v_scale)
         return (o, lse) if return_lse else o
 
-    _check_decode_args(q, k_cache, v_cache, cache_seqlens, block_table, num_splits, return_lse)
+    _check_decode_args(q, k_cache, v_cache, cache_seqlens, block_table, num_splits, return_lse,
+                       k_scale, v_scale)
     check_softmax_scale(softmax_scale)
     q3 = q.reshape(q.shape[0], q.shape[-2], q.shape[-1]) if q.dim() == 4 else q
     B, _, D = q3.shape
@@ -198,11 +218,16 @@ def decode(
         # Triton's launch path (the interpreter on CPU; on CUDA with fast launches off).
         _kernels()
         o, lse = _kd.DecodePlan(q, k_cache, v_cache, cache_seqlens, block_table, scale, num_splits,
-                                return_lse)(q, k_cache, v_cache, cache_seqlens, block_table, None)
+                                return_lse, k_scale=k_scale, v_scale=v_scale)(
+            q, k_cache, v_cache, cache_seqlens, block_table, None, k_scale, v_scale)
         return (o, lse) if return_lse else o
     k = gather_pages(k_cache, block_table) if paged else k_cache
     v = gather_pages(v_cache, block_table) if paged else v_cache
-    o, lse = reference_attention(q3[:, None], k, v, softmax_scale=scale, seqlens_k=cache_seqlens)
+    if k_scale is not None:
+        k_scale = gather_pages(k_scale, block_table) if paged else k_scale
+        v_scale = gather_pages(v_scale, block_table) if paged else v_scale
+    o, lse = reference_attention(q3[:, None], k, v, softmax_scale=scale, seqlens_k=cache_seqlens,
+                                 k_scale=k_scale, v_scale=v_scale)
     o, lse = o[:, 0], lse[:, 0]
     if q.dim() == 4:
         o = o.view(q.shape)

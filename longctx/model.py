@@ -27,7 +27,9 @@ from torch import nn
 from longctx.attention import attention
 from longctx.config import ModelArgs, check_chunk
 from longctx.decode import decode
-from longctx.ops import linear, linear_silu_mul, rms_norm, rope_, rope_store_kv, rope_tables
+from longctx.fp8 import FP8
+from longctx.ops import (linear, linear_silu_mul, rms_norm, rope_, rope_store_kv, rope_tables,
+                         store_fp8)
 from longctx.rope import attention_factor
 
 
@@ -47,6 +49,8 @@ class KVCache(nn.Module):
 
     k_cache, v_cache: [B, S_max, Hkv, D]; position p of sequence b lives at [b, p]. Preallocated
     once (the decode step reads and writes fixed buffers, so it can be captured in a CUDA graph).
+    dtype float8_e4m3fn: an fp8 cache, with k_scale, v_scale [B, S_max, Hkv] float32 (longctx.fp8:
+    one scale per token and KV head, written by the kernels that store K/V); else both None.
     longctx.parallel replaces this class to shard the cache by position.
     """
 
@@ -56,6 +60,28 @@ class KVCache(nn.Module):
         shape = (batch, max_seq_len, n_kv_heads, head_dim)
         self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        fp8 = dtype == FP8
+        for name in ("k_scale", "v_scale"):
+            self.register_buffer(name, torch.zeros(shape[:3], device=device) if fp8 else None,
+                                 persistent=False)
+
+    def store(self, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write k/v [B, L, Hkv, D] at slots [start, start + L) (quantized for an fp8 cache)."""
+        end = start + k.shape[1]
+        if self.k_scale is None:
+            self.k_cache[:, start:end] = k
+            self.v_cache[:, start:end] = v
+        else:
+            store_fp8(self.k_cache[:, start:end], self.k_scale[:, start:end], k)
+            store_fp8(self.v_cache[:, start:end], self.v_scale[:, start:end], v)
+
+    def attend(self, q: torch.Tensor, end: int,
+               **kw) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """`attention(q, k, v, **kw)` over slots [0, end) of this cache (with an fp8 cache's
+        scales)."""
+        scales = {} if self.k_scale is None else dict(k_scale=self.k_scale[:, :end],
+                                                      v_scale=self.v_scale[:, :end])
+        return attention(q, self.k_cache[:, :end], self.v_cache[:, :end], **kw, **scales)
 
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 input_pos: torch.Tensor) -> torch.Tensor:
@@ -69,9 +95,8 @@ class KVCache(nn.Module):
         if end > self.k_cache.shape[1]:
             raise ValueError(f"prefill up to position {end} exceeds the KV cache capacity "
                              f"({self.k_cache.shape[1]})")
-        self.k_cache[:, start:end] = k
-        self.v_cache[:, start:end] = v
-        return attention(q, self.k_cache[:, :end], self.v_cache[:, :end], causal=True, q_start=start)
+        self.store(start, k, v)
+        return self.attend(q, end, causal=True, q_start=start)
 
     def step_indices(self, input_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Where a decode step at positions input_pos [B] int64 writes its token (cache slot [B]
@@ -87,16 +112,26 @@ class KVCache(nn.Module):
                      generator: torch.Generator) -> None:
         """Fill the slots of positions [0, context_len) (`prefix_slots`) with N(0, std^2) values,
         std per KV head (k_std, v_std [Hkv] float32), drawn from `generator` on the cache's
-        device in its dtype: a KV cache as if a prompt of context_len positions had run."""
+        device in its dtype: a KV cache as if a prompt of context_len positions had run. An fp8
+        cache is filled through the same draw in float32, quantized (longctx.fp8.quantize_kv)."""
         n = self.prefix_slots(context_len)
         if n > self.k_cache.shape[1]:
             raise ValueError(f"context_len {context_len} needs {n} cache slots, but the cache "
                              f"holds {self.k_cache.shape[1]}")
-        for cache, std in ((self.k_cache, k_std), (self.v_cache, v_std)):
+        for cache, scale, std in ((self.k_cache, self.k_scale, k_std),
+                                  (self.v_cache, self.v_scale, v_std)):
             for b in range(cache.shape[0]):  # [n, Hkv, D]: contiguous, so one fast fill each
-                part = cache[b, :n]
-                part.normal_(generator=generator)
-                part.mul_(std.to(device=part.device, dtype=part.dtype)[:, None])
+                if scale is None:
+                    part = cache[b, :n]
+                    part.normal_(generator=generator)
+                    part.mul_(std.to(device=part.device, dtype=part.dtype)[:, None])
+                    continue
+                piece = 1 << 16  # fp8: drawn in float32 pieces, each quantized into the cache
+                for i in range(0, n, piece):
+                    m = min(piece, n - i)
+                    part = torch.empty((1, m, *cache.shape[2:]), device=cache.device)
+                    part.normal_(generator=generator).mul_(std.to(part.device)[:, None])
+                    store_fp8(cache[b:b + 1, i:i + m], scale[b:b + 1, i:i + m], part)
 
     def decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                step: tuple[torch.Tensor, torch.Tensor],
@@ -107,9 +142,10 @@ class KVCache(nn.Module):
         int64); the kernel that stores k and v rotates them (`rope_store_kv`: one launch).
         -> o [B, Hq, D] (and lse [B, Hq] with return_lse)."""
         slot, cache_seqlens = step
-        rope_store_kv(q, k, v, *rope, self.k_cache, self.v_cache, slot)
+        scales = {} if self.k_scale is None else dict(k_scale=self.k_scale, v_scale=self.v_scale)
+        rope_store_kv(q, k, v, *rope, self.k_cache, self.v_cache, slot, **scales)
         return decode(q, self.k_cache, self.v_cache, cache_seqlens=cache_seqlens,
-                      return_lse=return_lse)
+                      return_lse=return_lse, **scales)
 
 
 class Linear(nn.Linear):
@@ -254,14 +290,17 @@ class Transformer(nn.Module):
         self.max_seq_len = 0
         self.rope_prompt_len = 0  # the prompt length the RoPE tables were made for (dynamic NTK)
 
-    def setup_caches(self, batch: int, max_seq_len: int) -> None:
-        """Allocate every layer's KV cache and the RoPE tables on the weights' device and dtype."""
+    def setup_caches(self, batch: int, max_seq_len: int,
+                     kv_cache_dtype: torch.dtype | None = None) -> None:
+        """Allocate every layer's KV cache and the RoPE tables on the weights' device and dtype;
+        the KV cache in kv_cache_dtype if given (torch.float8_e4m3fn: an fp8 cache with scales,
+        longctx.fp8)."""
         w = self.lm_head.weight
         hd = self.args.head_dim
         for layer in self.layers:
             attn = layer.self_attn
-            attn.kv_cache = self.make_cache(batch, max_seq_len, attn.n_kv_heads, hd, w.dtype,
-                                            w.device)
+            attn.kv_cache = self.make_cache(batch, max_seq_len, attn.n_kv_heads, hd,
+                                            kv_cache_dtype or w.dtype, w.device)
         cos, sin = rope_tables(max_seq_len, hd, self.args.rope_theta, w.device,
                                self.args.rope_scaling)
         self.register_buffer("rope_cos", cos, persistent=False)  # [max_seq_len, D] float32

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from longctx.backend import use_triton_for
+from longctx.fp8 import quantize_kv
 from longctx.rope import RopeScaling, attention_factor, inv_freq
 
 
@@ -142,28 +143,52 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot: torch.Tensor) -> None:
+             slot: torch.Tensor, k_scale: torch.Tensor | None = None,
+             v_scale: torch.Tensor | None = None) -> None:
     """k_cache[b, slot[b]] = k[b] and v_cache[b, slot[b]] = v[b] for every sequence b.
 
     k_cache/v_cache [B, S_max, Hkv, D] contiguous; k/v [B, Hkv, D] (unit stride in D; e.g. views
     into a fused projection); slot [B] int64. On CUDA one kernel writes both (a decode step's
     cache update at batch 1 is two tiny index_put kernels otherwise); a slot outside [0, S_max)
     is not written there (no host check), and the decode that follows writes NaN for it.
+    An fp8 cache (float8_e4m3fn, with k_scale / v_scale [B, S_max, Hkv] float32) stores
+    longctx.fp8.quantize_kv of k and v and their scales (torch code: the model's decode step
+    writes fp8 through rope_store_kv's kernel).
     """
-    if use_triton_for(k) and k.stride(-1) == 1 and v.stride(-1) == 1 and k_cache.is_contiguous() \
-            and v_cache.is_contiguous():
+    if k_scale is None and use_triton_for(k) and k.stride(-1) == 1 and v.stride(-1) == 1 \
+            and k_cache.is_contiguous() and v_cache.is_contiguous():
         from longctx.kernels.fused import store_kv as kernel
 
         kernel(k_cache, v_cache, k, v, slot)
         return
     b = torch.arange(k.shape[0], device=k.device)
+    if k_scale is not None:
+        (k, k_scale[b, slot]), (v, v_scale[b, slot]) = quantize_kv(k), quantize_kv(v)
+        # As bytes: index_put is not implemented for float8 on every device.
+        k_cache, v_cache, k, v = (t.view(torch.uint8) for t in (k_cache, v_cache, k, v))
     k_cache[b, slot] = k
     v_cache[b, slot] = v
 
 
+def store_fp8(dst: torch.Tensor, dst_scale: torch.Tensor, x: torch.Tensor) -> None:
+    """Write x [B, S, H, D] into an fp8 cache: dst, dst_scale = longctx.fp8.quantize_kv(x), dst
+    [B, S, H, D] float8_e4m3fn and dst_scale [B, S, H] float32 being views of the cache and its
+    scales (a prefill chunk's positions). On CUDA one kernel reads x once and writes both."""
+    if use_triton_for(x) and x.stride(-1) == 1 and dst.stride(-1) == 1 and \
+            (dst_scale.stride(-1) == 1 or x.shape[2] == 1):
+        from longctx.kernels.fused import store_fp8 as kernel
+
+        kernel(dst, dst_scale, x)
+        return
+    x_fp8, scale = quantize_kv(x)
+    dst.copy_(x_fp8)
+    dst_scale.copy_(scale)
+
+
 def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                   sin: torch.Tensor, pos: torch.Tensor, k_cache: torch.Tensor,
-                  v_cache: torch.Tensor, slot: torch.Tensor) -> None:
+                  v_cache: torch.Tensor, slot: torch.Tensor, k_scale: torch.Tensor | None = None,
+                  v_scale: torch.Tensor | None = None) -> None:
     """A decode step's RoPE and KV-cache store: `rope_` of q [B, Hq, D] and k [B, Hkv, D] in
     place at the positions pos [B] int64 (one token per sequence), then `store_kv` of k and
     v [B, Hkv, D] at slot [B] int64 of k_cache/v_cache [B, S_max, Hkv, D].
@@ -172,6 +197,8 @@ def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
     `rope_tables`; a slot outside [0, S_max) is not written on CUDA). q/k/v may be strided
     views (the heads of a fused projection) with unit stride in D. On CUDA one kernel does it
     all (rope_ and store_kv are a launch each); on the CPU it is rope_ and store_kv.
+    An fp8 cache takes k_scale / v_scale [B, S_max, Hkv] float32 (contiguous) and stores the
+    rotated k and v quantized (longctx.fp8.quantize_kv) with their scales, in the same kernel.
     """
     B, hkv, D = k.shape
     if q.dim() != 3 or q.shape[0] != B or q.shape[2] != D or v.shape != k.shape:
@@ -184,12 +211,13 @@ def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
         raise ValueError(f"pos and slot must be [{B}], got {tuple(pos.shape)} and "
                          f"{tuple(slot.shape)}")
     if use_triton_for(q) and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1 \
-            and k_cache.is_contiguous() and v_cache.is_contiguous():
+            and k_cache.is_contiguous() and v_cache.is_contiguous() \
+            and (k_scale is None or (k_scale.is_contiguous() and v_scale.is_contiguous())):
         from longctx.kernels.fused import rope_store_kv as kernel
 
-        kernel(q, k, v, cos, sin, pos, k_cache, v_cache, slot)
+        kernel(q, k, v, cos, sin, pos, k_cache, v_cache, slot, k_scale, v_scale)
         return
     pos = pos[:, None]
     rope_(q[:, None], cos, sin, pos)
     rope_(k[:, None], cos, sin, pos)
-    store_kv(k_cache, v_cache, k, v, slot)
+    store_kv(k_cache, v_cache, k, v, slot, k_scale, v_scale)

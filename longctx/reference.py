@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from einops import rearrange, repeat
 
+from longctx.fp8 import dequantize_kv
+
 
 def _per_batch(x: int | torch.Tensor, batch: int, device: torch.device) -> torch.Tensor:
     """An int or a [B] tensor of offsets/lengths -> an int64 [B] tensor on `device`."""
@@ -28,6 +30,8 @@ def reference_attention(
     k_start: int | torch.Tensor = 0,
     seqlens_k: torch.Tensor | None = None,
     compute_dtype: torch.dtype | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact softmax attention returning the state (O, LSE).
 
@@ -43,6 +47,9 @@ def reference_attention(
             torch.float64 for an exact oracle. A half dtype (float16/bfloat16) gives the plain
             PyTorch implementation in that dtype: matmuls in it, softmax in float32 (the bar
             the kernels' error is held to).
+        k_scale, v_scale: for an fp8 cache (k, v float8_e4m3fn): float32 [B, Sk, Hkv] scales;
+            k and v are dequantized first (longctx.fp8.dequantize_kv, in float32, or float64
+            for float64 q), then attended as above.
 
     Returns:
         o [B, Sq, Hq, D] in q's dtype (compute_dtype if that is float64), and
@@ -53,6 +60,9 @@ def reference_attention(
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
     dt = compute_dtype or (torch.float64 if q.dtype == torch.float64 else torch.float32)
+    if k_scale is not None:
+        wide = torch.float64 if q.dtype == torch.float64 else torch.float32
+        k, v = dequantize_kv(k, k_scale, wide), dequantize_kv(v, v_scale, wide)
     sm_dt = torch.float32 if dt in (torch.float16, torch.bfloat16) else dt  # softmax dtype
     scale = softmax_scale if softmax_scale is not None else D**-0.5
     g = Hq // Hkv

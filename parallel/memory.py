@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from longctx.config import ModelArgs
+from longctx.fp8 import kv_bytes_per_element
 from longctx.parallel.mesh import ParallelDims
 
 GiB = float(1 << 30)
@@ -42,10 +43,13 @@ class MemoryEstimate:
 
 def estimate_memory(args: ModelArgs, *, tp: int, sp: int, batch: int, prompt_len: int,
                     max_seq_len: int, dtype: torch.dtype, device_type: str,
-                    prefill_chunk: int | None = None) -> MemoryEstimate:
+                    prefill_chunk: int | None = None,
+                    kv_cache_dtype: torch.dtype | None = None) -> MemoryEstimate:
     """Memory per device of a tp x sp decode run with caches for max_seq_len positions, after a
     prefill of prompt_len positions in chunks of prefill_chunk (None: the whole prompt in one
-    call; prompt_len 0: no prefill, as with a synthetic cache).
+    call; prompt_len 0: no prefill, as with a synthetic cache). The KV cache is in
+    kv_cache_dtype (None: dtype; fp8: 1 byte per element plus a float32 scale per token and KV
+    head, longctx.fp8).
 
     Activations are those of the largest prefill call: batch x L / sp positions per rank, with L
     = min(prompt_len, prefill_chunk). Under sp, ring attention adds K/V shard buffers and a
@@ -62,7 +66,8 @@ def estimate_memory(args: ModelArgs, *, tp: int, sp: int, batch: int, prompt_len
         layer += (hq + 2 * hkv) * D
     weights = (args.n_layers * layer + 2 * vocab * dim + dim) * e
     slots = max_seq_len if sp == 1 else -(-max_seq_len // sp) + 1  # + the scratch slot
-    kv = 2 * args.n_layers * batch * slots * hkv * D * e
+    kv = int(2 * args.n_layers * batch * slots * hkv * D
+             * kv_bytes_per_element(kv_cache_dtype or dtype, D))
     rope = 2 * max_seq_len * D * 4
     # Dynamic NTK scaling rebuilds them before a prefill beyond its original length
     # (Transformer.rope_for_prompt): float32 angles and the new cos/sin beside the tables in
@@ -100,7 +105,8 @@ def estimate_memory(args: ModelArgs, *, tp: int, sp: int, batch: int, prompt_len
 
 def largest_context(args: ModelArgs, *, tp: int, sp: int, available: int, batch: int,
                     gen_len: int, dtype: torch.dtype, device_type: str,
-                    prefill_chunk: int | None = None, synthetic: bool = False) -> int:
+                    prefill_chunk: int | None = None, synthetic: bool = False,
+                    kv_cache_dtype: torch.dtype | None = None) -> int:
     """The largest context_len (prompt positions per sequence, gen_len more decoded) whose
     `estimate_memory` fits in `available` bytes per device with this layout: a prefill of
     context_len positions in chunks of prefill_chunk, or none when `synthetic`. 0 if none fits.
@@ -108,7 +114,7 @@ def largest_context(args: ModelArgs, *, tp: int, sp: int, available: int, batch:
     def fits(n: int) -> bool:
         est = estimate_memory(args, tp=tp, sp=sp, batch=batch, prompt_len=0 if synthetic else n,
                               max_seq_len=n + gen_len, dtype=dtype, device_type=device_type,
-                              prefill_chunk=prefill_chunk)
+                              prefill_chunk=prefill_chunk, kv_cache_dtype=kv_cache_dtype)
         return est.total <= available
 
     lo, hi = 0, 1  # fits(lo) or lo == 0; find hi that does not fit, then bisect

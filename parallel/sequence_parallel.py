@@ -23,8 +23,8 @@ import functools
 import torch
 import torch.distributed as dist
 
-from longctx.attention import attention
 from longctx.config import check_chunk
+from longctx.fp8 import dequantize_kv
 from longctx.merge import merge_states, merge_states_group
 from longctx.model import KVCache, Transformer, chunk_spans
 from longctx.parallel.ring import ring_attention, shard_chunks, shard_sequence
@@ -33,7 +33,8 @@ LAYOUT = "zigzag"  # ring prefill's layout: rank r holds chunks r and 2sp-1-r (b
 
 
 class SequenceParallelKVCache(KVCache):
-    """This rank's shard of a layer's KV cache: k_cache, v_cache [B, ceil(S_max / sp) + 1, Hkv, D].
+    """This rank's shard of a layer's KV cache: k_cache, v_cache [B, ceil(S_max / sp) + 1, Hkv, D]
+    (an fp8 cache's scales [B, ceil(S_max / sp) + 1, Hkv] alike).
 
     Slots [0, n/sp) hold this rank's zigzag shards of the prefill chunks of the first n positions,
     chunk after chunk; later positions follow the round-robin rule. The last slot is scratch: a
@@ -67,8 +68,13 @@ class SequenceParallelKVCache(KVCache):
         if off + s_local > self.capacity:
             raise ValueError(f"prefill up to position {start + s_local * self.sp} exceeds the KV "
                              f"cache shard ({self.capacity} positions per rank)")
-        self.k_cache[:, off:off + s_local] = k
-        self.v_cache[:, off:off + s_local] = v
+        self.store(off, k, v)
+        if self.k_scale is not None:
+            # The ring's K/V travel in the model's dtype, as the fp8 cache holds them (dequantized):
+            # the chunk then attends to the keys one process would read from its cache.
+            end = off + s_local
+            k = dequantize_kv(self.k_cache[:, off:end], self.k_scale[:, off:end], k.dtype)
+            v = dequantize_kv(self.v_cache[:, off:end], self.v_scale[:, off:end], v.dtype)
         if off == 0:  # the first chunk: nothing cached before it
             return ring_attention(q, k, v, group=self.group, causal=True, layout=LAYOUT)
         o, lse = ring_attention(q, k, v, group=self.group, causal=True, layout=LAYOUT,
@@ -89,8 +95,8 @@ class SequenceParallelKVCache(KVCache):
         gather(q_all.view(-1), q.contiguous().view(-1), group=self.group)
         # [sp, B, s] -> [B, sp * s] rows (a copy for B > 1): every query sees every cached key.
         q_all = q_all.transpose(0, 1).reshape(B, sp * s, hq, D)
-        o, lse = attention(q_all, self.k_cache[:, :off], self.v_cache[:, :off], causal=False,
-                           return_lse=True)  # [B, sp * s, Hq, D], [B, sp * s, Hq]
+        o, lse = self.attend(q_all, off, causal=False,
+                             return_lse=True)  # [B, sp * s, Hq, D], [B, sp * s, Hq]
         del q_all
         # Rows of rank r's queries go back to rank r: send [sp, B, s, ...], receive parts 1..sp.
         o_send = o.view(B, sp, s, hq, D).transpose(0, 1).contiguous()

@@ -70,3 +70,38 @@ def test_head_dim_tables_plan_their_rows() -> None:
     default = _compose()
     assert bench.decode_plan(default.decode) == [(128, b, n) for b, n in default.decode.shapes]
     assert len(bench.prefill_plan(default.prefill)) == 2 * 3 * 2
+
+
+def test_fp8_decode_table_plans_its_rows() -> None:
+    """decode_table=fp8: the default table's shapes at 16/2 heads, then four at CodeLlama-34B's
+    heads per GPU (64/8, 32/4), an fp8 cache, longctx on bf16 and vLLM's fp8 kernel as peers."""
+    bench = _bench_module()
+    cfg = _compose("decode_table=fp8")
+    default = _compose()
+    four = [(64, 1024), (8, 8192), (1, 65536), (1, 262144)]
+    assert bench.decode_rows(cfg.decode) == (
+        [(16, 2, 128, b, n) for b, n in default.decode.shapes]
+        + [(hq, hkv, 128, b, n) for hq, hkv in ((64, 8), (32, 4)) for b, n in four])
+    assert cfg.decode.kv_cache_dtype == "fp8_e4m3" and cfg.decode.dtype == "bfloat16"
+    assert list(cfg.decode.peers) == ["longctx_bf16", "vllm_fp8"]
+    assert bench.decode_rows(default.decode) == [(16, 2, 128, b, n) for b, n in default.decode.shapes]
+
+
+def test_vllm_peer_loads_with_vllm_stubbed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The vLLM kernel file imports vLLM's platform and Triton re-export: without vLLM they are
+    stubbed for the import only (CUDA platform, Triton itself); a missing file says how to get it."""
+    bench = _bench_module()
+    monkeypatch.setattr(bench, "VLLM_PEER", tmp_path / "missing.py")
+    with pytest.raises(FileNotFoundError, match="bench/fetch_vllm_peer.sh"):
+        bench.load_vllm_peer()
+    peer = tmp_path / "peer.py"
+    peer.write_text("from vllm.platforms import current_platform\n"
+                    "from vllm.triton_utils import tl, triton\n"
+                    "is_hip_ = current_platform.is_rocm()\n")
+    monkeypatch.setattr(bench, "VLLM_PEER", peer)
+    before = {n for n in sys.modules if n == "vllm" or n.startswith("vllm.")}
+    mod = bench.load_vllm_peer()
+    import triton
+
+    assert mod.is_hip_ is False and mod.triton is triton and mod.tl is triton.language
+    assert {n for n in sys.modules if n == "vllm" or n.startswith("vllm.")} == before

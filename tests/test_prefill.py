@@ -264,7 +264,8 @@ def test_launch_config_table(monkeypatch: pytest.MonkeyPatch) -> None:
 # (A head_dim that is not a power of two takes its tile's config: one such per config.)
 TABLE = [(P._HALF, "half", (64, 128, 96)), (P._HALF_SHORT_Q, "half", (64, 128, 80)),
          (P._D256, "half", (256, 192)), (P._FP32, "fp32", (64, 128, 40)),
-         (P._FP32_D256, "fp32", (256, 192))]
+         (P._FP32_D256, "fp32", (256, 192)), (P._FP8_HALF, "half", (64, 128)),
+         (P._FP8_D256, "half", (256,))]
 assert {c for c, _, _ in TABLE} == set(LAUNCH_CONFIGS)
 
 

@@ -1,0 +1,91 @@
+"""fp8 (e4m3) KV cache: the quantization rule, its inverse, and the checks of a cache's scales.
+
+The cache holds K and V as torch.float8_e4m3fn with one float32 scale per (token, KV head):
+x ~ x_fp8 * scale, scale = amax(|x| over head_dim) / 448 (e4m3's largest finite value), so each
+row uses e4m3's whole range and no calibration is needed. Scales are laid out like the cache
+without head_dim: contiguous [B, S_max, Hkv], paged [num_pages, page_size, Hkv]; 4 bytes per
+head_dim bytes (3% at head_dim 128). bench/fp8_kv_error.py measures this granularity against one
+scale per tensor and one per KV head. An all-zero row gets scale 0 and zeros, never NaN.
+
+The kernels that write the cache quantize (kernels/fused.py); the attention kernels read fp8
+and apply the scales per key in registers (kernels/decode.py, kernels/prefill.py). The torch
+code here is the rule they follow bit for bit and the CPU backend.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # e4m3fn's largest finite value
+# `kv_cache_dtype` config values: None = the model's dtype.
+KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {"auto": None, "fp8_e4m3": FP8}
+
+
+def quantize_fp8(x: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (any float dtype) with amax broadcastable to it (e.g. x's |max| over some dims, keepdim)
+    -> (x_fp8 float8_e4m3fn shaped like x, scale = amax / 448 float32 shaped like amax), so that
+    x ~ x_fp8 * scale. Division in float32 by the scale (a zero scale divides by 1: zeros)."""
+    scale = amax.float() / FP8_MAX
+    x_fp8 = (x.float() / torch.where(scale == 0, 1.0, scale)).to(FP8)
+    return x_fp8, scale
+
+
+def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> (x_fp8 [..., D] float8_e4m3fn, scale [...] float32): one scale per row
+    (per token and KV head for K or V [B, S, Hkv, D]), as the cache-writing kernels compute it."""
+    x_fp8, scale = quantize_fp8(x, x.float().abs().amax(dim=-1, keepdim=True))
+    return x_fp8, scale.squeeze(-1)
+
+
+def dequantize_kv(x_fp8: torch.Tensor, scale: torch.Tensor,
+                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """x_fp8 [..., D] float8_e4m3fn, scale [...] float32 -> x_fp8 * scale [..., D] in `dtype`
+    (the product in float32, exact in float64 for dtype float64, then rounded to dtype)."""
+    wide = torch.float64 if dtype == torch.float64 else torch.float32
+    return (x_fp8.to(wide) * scale[..., None].to(wide)).to(dtype)
+
+
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """`kv_cache_dtype` config value -> the cache's dtype ('auto': the model's)."""
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}")
+    return KV_CACHE_DTYPES[name] or model_dtype
+
+
+def kv_bytes_per_element(cache_dtype: torch.dtype, head_dim: int) -> float:
+    """Bytes per K or V element of a cache in cache_dtype, its scales included (fp8: one float32
+    per head_dim elements)."""
+    e = torch.empty((), dtype=cache_dtype).element_size()
+    return e + (4 / head_dim if cache_dtype == FP8 else 0)
+
+
+def check_kv_scales(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: object,
+                    v_scale: object, device: torch.device, k_name: str = "k_cache",
+                    v_name: str = "v_cache") -> bool:
+    """An fp8 cache needs k_scale and v_scale: float32, shaped like the cache without head_dim,
+    on `device`, unit stride in the head dim; a cache in another dtype takes none. Returns
+    whether the cache is fp8. ValueError naming the argument otherwise."""
+    fp8 = k_cache.dtype == FP8
+    for name, s, cache, cname in (("k_scale", k_scale, k_cache, k_name),
+                                  ("v_scale", v_scale, v_cache, v_name)):
+        if not fp8:
+            if s is not None:
+                raise ValueError(f"{name} is for an fp8 ({FP8}) {cname}; {cname} is {cache.dtype}")
+            continue
+        if s is None:
+            raise ValueError(f"an fp8 {cname} needs {name} (float32, {cname}'s shape without "
+                             f"head_dim: {tuple(cache.shape[:-1])})")
+        if not isinstance(s, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(s).__name__}")
+        if s.dtype != torch.float32:
+            raise ValueError(f"{name} must be float32, got {s.dtype}")
+        if s.shape != cache.shape[:-1]:
+            raise ValueError(f"{name} must have {cname}'s shape without head_dim "
+                             f"{tuple(cache.shape[:-1])}, got {tuple(s.shape)}")
+        if s.device != device:
+            raise ValueError(f"{name} is on {s.device} but q is on {device}")
+        if s.stride(-1) != 1 and s.shape[-1] > 1:
+            raise ValueError(f"{name} must have unit stride in its last (KV head) dim, got "
+                             f"strides {s.stride()}")
+    return fp8
