@@ -299,20 +299,20 @@ def _launch_config(head_dim: int, dtype: torch.dtype, block_h: int, keys_per_spl
     MB of cache, 2-5 µs for 134-268 MB); on an H100 80GB HBM3, 64 keys with 3 stages (128 loses
     0.3-1.2 µs). Every GPU named H100 gets the H100's choice, every other one the H200's.
     Other cases were chosen from offline sm_90 compiles (no spills): fp32 ("ieee" dot on FMA
-    units) needs small key blocks and 8 warps; head_dim 256 halves the key block. A head_dim
-    that is not a power of two takes the choice of its tile (the next power of two): the
-    registers and the tensor-core work are the tile's; except 129-255 (measured at 192).
+    units) needs small key blocks and 8 warps. A head_dim that is not a power of two takes the
+    choice of its tile (the next power of two): the registers and the tensor-core work are the
+    tile's.
     """
     d = next_power_of_2(head_dim)
     if dtype == torch.float32:
         return (32 if d <= 128 and block_h * d < 64 * 128 else 16), 8, 2
-    if 128 < head_dim < 256:
-        # head_dim 192 (tile 256), bench/tune_decode.py --d 192 on an H200 (16/2 heads): 64
-        # keys, 4 warps, 3 stages took 32-34 µs at 64 x 1024, 8 x 8192 and 1 x 65536 and 105 µs
-        # at 1 x 262144, against 64-69 and 221 µs with 256's 32-key blocks.
-        return 64, 4, 3
-    if d > 128:
-        return 32, 8 if block_h * d >= 64 * 128 else 4, 2
+    if d == 256:
+        # Tile 256 (head_dim 129-256), bench/tune_decode.py --d 192 / --d 256 on an H200 (16/2
+        # heads): 64 keys, 4 warps, 3 stages took 32-35 µs (192) and 40 µs (256) at 64 x 1024,
+        # 8 x 8192 and 1 x 65536, 105 / 130 µs at 1 x 262144, against 64-69 / 65-69 and 221 /
+        # 223 µs with the earlier 32-key blocks, 2 stages. Programs of 32+ query heads keep
+        # those (8 warps; not measured with 64 keys).
+        return (64, 4, 3) if block_h * d < 64 * 128 else (32, 8, 2)
     num_warps = 8 if block_h * d >= 64 * 128 else 4
     if keys_per_split >= 1024:
         return (64 if "H100" in device_name(device) else 128), num_warps, 3

@@ -160,8 +160,15 @@ def _fp8_scale(amax):
     # The fp8 cache's scale of rows whose |max| is amax (float32), and the divisor that maps them
     # onto e4m3's range: longctx.fp8.quantize_fp8's rule (scale = amax / 448; x / divisor in
     # float32). A zero row divides by 1: scale 0 and zeros, never NaN.
-    scale = amax / 448.0
+    scale = _div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
     return scale, tl.where(scale == 0.0, 1.0, scale)
+
+
+@triton.jit
+def _div_rn(a, b):
+    # a / b rounded to nearest, as torch divides: Triton's `/` on float32 is the approximate
+    # division (up to 2 ulp), which moves some values across an e4m3 rounding boundary.
+    return tl.math.div_rn(a, tl.broadcast_to(b, a.shape))
 
 
 @triton.jit
@@ -182,7 +189,7 @@ def _store_fp8_kernel(X, Y, S, stride_xb, stride_xs, stride_xh, stride_yb, strid
                 other=0.0).to(tl.float32)
     scale, div = _fp8_scale(tl.max(tl.abs(x), axis=1))
     tl.store(Y + b * stride_yb + s * stride_ys + head * stride_yh + offs_d[None, :],
-             (x / div[:, None]).to(Y.dtype.element_ty), mask=mask)
+             _div_rn(x, div[:, None]).to(Y.dtype.element_ty), mask=mask)
     tl.store(S + b * stride_sb + s * stride_ss + offs_h, scale, mask=offs_h < H)
 
 
@@ -284,10 +291,12 @@ def _rope_store_kv_kernel(Q, K, V, COS, SIN, POS, KC, VC, SLOT, KS, VS, S_MAX,
                                                    tl.max(tl.abs(v2), axis=1)))
             tl.store(KS + dst_s, k_scale, mask=s_mask)
             tl.store(VS + dst_s, v_scale, mask=s_mask)
-            tl.store(KC + dst, (k1 / k_div[:, None]).to(KC.dtype.element_ty), mask=mask)
-            tl.store(KC + dst + HALF, (k2 / k_div[:, None]).to(KC.dtype.element_ty), mask=mask)
-            tl.store(VC + dst, (v1 / v_div[:, None]).to(VC.dtype.element_ty), mask=mask)
-            tl.store(VC + dst + HALF, (v2 / v_div[:, None]).to(VC.dtype.element_ty), mask=mask)
+            tl.store(KC + dst, _div_rn(k1, k_div[:, None]).to(KC.dtype.element_ty), mask=mask)
+            tl.store(KC + dst + HALF, _div_rn(k2, k_div[:, None]).to(KC.dtype.element_ty),
+                     mask=mask)
+            tl.store(VC + dst, _div_rn(v1, v_div[:, None]).to(VC.dtype.element_ty), mask=mask)
+            tl.store(VC + dst + HALF, _div_rn(v2, v_div[:, None]).to(VC.dtype.element_ty),
+                     mask=mask)
         else:
             tl.store(KC + dst, k1, mask=mask)
             tl.store(KC + dst + HALF, k2, mask=mask)
