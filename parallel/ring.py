@@ -305,7 +305,13 @@ class _RingCopyEngine:
         bufs = self._cache.get(key)
         if bufs is None or bufs.cap < k.numel() + v.numel():
             # Every rank holds the same shapes (checked): all come here together.
+            if bufs is not None:
+                # The old buffers may still be read or written by queued work, here or on a
+                # peer: every rank drains its GPU before any frees them.
+                torch.cuda.synchronize(self.device)
+                dist.barrier(group)
             self._cache.pop(key, None)
+            del bufs
             bufs = self._cache[key] = _RingBuffers(group, rank, world, k.numel() + v.numel(), k)
         self.b = bufs
         self.mine = [self._views(bufs.mine, s) for s in range(2)]
@@ -373,7 +379,7 @@ class _RingBuffers:
         buf = symm_mem.empty(n, dtype=like.dtype, device=like.device)
         self.handle = symm_mem.rendezvous(buf, group.group_name)
         peer = [self.handle.get_buffer(r, (n,), like.dtype, 0) for r in range(world)]
-        self.cap, self.mine, self.next = cap, buf, peer[(rank + 1) % world]
+        self.group, self.cap, self.mine, self.next = group, cap, buf, peer[(rank + 1) % world]
         self.flags, self.next_flags, self.prev_flags = (
             x[2 * cap:].view(torch.int32) for x in (buf, self.next, peer[(rank - 1) % world]))
         self.pushes, self.reads = [0, 0], [0, 0]
@@ -382,8 +388,11 @@ class _RingBuffers:
 
 
 def release_ring_buffers() -> None:
-    """Free the copy-engine ring's cached symmetric-memory buffers (collective: every rank of
-    the groups that used them must call it before they are used again)."""
+    """Free the copy-engine ring's cached symmetric-memory buffers, once every rank's queued
+    work is done (collective: every rank of the groups that used them must call it)."""
+    for bufs in _RingCopyEngine._cache.values():
+        torch.cuda.synchronize(bufs.mine.device)
+        dist.barrier(bufs.group)
     _RingCopyEngine._cache.clear()
 
 

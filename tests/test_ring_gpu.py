@@ -84,6 +84,11 @@ def _ring_worker(rank, world, transport="auto"):
     g = torch.Generator(device=device).manual_seed(0)  # the same full sequence on every rank
     q, k, v = (torch.randn(1, 131072, 32, 128, device=device, generator=g).to(torch.bfloat16)
                for _ in range(3))
+    # First a shorter sequence, so that the full one grows the copy-engine ring's buffers.
+    short = [x[:, :32768].contiguous() for x in (q, k, v)]
+    o_short, _ = _ring_sequence(*short, world, rank, sync=True)
+    o = ring_attention(*(shard_sequence(x) for x in short), causal=True, transport=transport)
+    assert torch.equal(o, o_short.to(o.dtype)), f"{transport} rank {rank}: the shorter sequence"
     o_ref, _ = _ring_sequence(q, k, v, world, rank, sync=True)
     q_loc, k_loc, v_loc = (shard_sequence(x) for x in (q, k, v))
     for i in range(5):
