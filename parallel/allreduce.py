@@ -159,6 +159,25 @@ def same_host(group) -> bool:
     return len(set(names)) == 1
 
 
+def on_every_rank(group, device: torch.device, setup) -> tuple[object | None, str]:
+    """Run `setup()` (a symmetric-memory path's set-up) on every rank of `group`, whose GPUs must
+    be on one host: (its result, "") where it worked on every rank, else (None, why) on every
+    rank, so that all of them take the same path. Collective over the group."""
+    result, reason = None, ""
+    if not same_host(group):
+        reason = "the group spans hosts"
+    else:
+        try:
+            result = setup()
+        except Exception as e:  # no symmetric memory in this torch, or no peer access
+            reason = f"{type(e).__name__}: {e}"
+    ok = torch.tensor([result is not None], dtype=torch.int32, device=device)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
+    if bool(ok.item()):
+        return result, ""
+    return None, reason or "another rank could not set it up"
+
+
 def make_all_reduce(group, device: torch.device, dtype: torch.dtype, dim: int,
                     kind: str = "auto") -> NcclAllReduce:
     """The tensor-parallel sums of `group` for a model of width `dim` in `dtype` on `device`.
@@ -175,22 +194,12 @@ def make_all_reduce(group, device: torch.device, dtype: torch.dtype, dim: int,
         if kind != "auto" and kind != "nccl":
             raise ValueError(f"parallel.all_reduce={kind} needs CUDA devices")
         return NcclAllReduce(group)
-    comm, reason = None, None
-    if not same_host(group):
-        reason = "the group spans hosts"
-    else:
-        try:
-            comm = PushAllReduce.symmetric(group, device, dtype, dim, kind != "push")
-        except Exception as e:  # no symmetric memory in this torch, or no peer access
-            reason = f"{type(e).__name__}: {e}"
-    # Every rank must take the same path.
-    ok = torch.tensor([comm is not None], dtype=torch.int32, device=device)
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=group)
-    if bool(ok.item()):
+    comm, reason = on_every_rank(
+        group, device, lambda: PushAllReduce.symmetric(group, device, dtype, dim, kind != "push"))
+    if comm is not None:
         log.info(f"tensor parallel: decode sums through the push kernel ({comm.name}), fused with "
                  "the residual add and RMSNorm")
         return comm
-    reason = reason or "another rank could not set it up"
     if kind != "auto":
         raise RuntimeError(f"parallel.all_reduce={kind} is unavailable: {reason}")
     log.warning(f"push all-reduce unavailable ({reason}); tensor parallelism uses NCCL")

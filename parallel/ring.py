@@ -396,7 +396,8 @@ def release_ring_buffers() -> None:
     _RingCopyEngine._cache.clear()
 
 
-_transport_ok: dict = {}  # (group name, device) -> whether the copy engine ring can be set up
+# (group name, device) -> why the copy-engine ring is unavailable there ("": it is available)
+_transport_ok: dict = {}
 
 
 def _make_transport(transport: str, group: dist.ProcessGroup | None, rank: int, world: int,
@@ -417,25 +418,16 @@ def _make_transport(transport: str, group: dist.ProcessGroup | None, rank: int, 
     group = group or dist.group.WORLD
     key = (group.group_name, kv[0].device)
     if key not in _transport_ok:
-        from longctx.parallel.allreduce import same_host
+        from longctx.parallel.allreduce import on_every_rank
 
-        ok, reason = same_host(group), "the group spans hosts"
-        ring = None
-        if ok:
-            try:
-                ring = _RingCopyEngine(group, rank, world, kv)
-            except Exception as e:  # no symmetric memory in this torch, or no peer access
-                ok, reason = False, f"{type(e).__name__}: {e}"
-        flag = torch.tensor([ok], dtype=torch.int32, device=kv[0].device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)  # every rank the same way
-        _transport_ok[key] = (bool(flag.item()), reason if not ok else "another rank failed")
-        if _transport_ok[key][0]:
+        ring, _transport_ok[key] = on_every_rank(
+            group, kv[0].device, lambda: _RingCopyEngine(group, rank, world, kv))
+        if ring is not None:
             return ring
-    ok, reason = _transport_ok[key]
-    if ok:
+    if not _transport_ok[key]:
         return _RingCopyEngine(group, rank, world, kv)
     if transport == "copy_engine":
-        raise RuntimeError(f"transport='copy_engine' is unavailable: {reason}")
+        raise RuntimeError(f"transport='copy_engine' is unavailable: {_transport_ok[key]}")
     return _RingNccl(group, rank, world, kv)
 
 
