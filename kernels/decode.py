@@ -11,8 +11,9 @@ each program counts itself in (an atomic per group) and the last to arrive merge
 its group's partials (`fuse_merge` says when, with the measurements).
 
 An fp8 (e4m3) cache carries a float32 scale per (key, KV head) (longctx.fp8): the
-kernel reads half the bytes, widens the tiles to q's dtype and applies the scales per
-key (K's to the scores, V's to the probabilities), behind the FP8 constexpr.
+kernel reads half the bytes, widens the tiles to float16 (float32 for a float32 q) and
+applies the scales per key (K's to the scores, V's to the probabilities), behind the FP8
+constexpr (`_attend_block` says how float16's range is kept).
 
 The split ranges are computed inside the kernel from ``cache_seqlens`` (a device
 tensor). The launch grid depends only on ``num_splits``, batch and head counts,
@@ -31,8 +32,8 @@ import triton.language as tl
 from longctx.backend import interpreter_active
 from longctx.kernels.launch import Launch, stream_counters, stream_scratch
 from longctx.kernels.merge import _merge_parts, merge_states_launch
-from longctx.kernels.utils import (cdiv, device_name, device_sms, next_power_of_2, pdl_launch,
-                                   pdl_wait)
+from longctx.kernels.utils import (cdiv, device_capability, device_name, device_sms,
+                                   next_power_of_2, pdl_launch, pdl_wait)
 
 __all__ = ["DecodePlan", "flash_decode", "flash_decode_partials", "choose_num_splits"]
 
@@ -45,8 +46,34 @@ _INTERPRET = interpreter_active()
 
 
 @triton.jit
+def _widen_e4m3(x, WIDEN: tl.constexpr, dtype: tl.constexpr):
+    """An e4m3 tile widened, exact: WIDEN False, to `dtype` by Triton's conversion (the
+    interpreter, a float32 q); True, to float16 by cvt.rn.f16x2.e4m3x2 (sm_89+, as e4m3 itself),
+    four bytes per two instructions.
+
+    The inline asm is declared impure so that the compiler keeps it where it stands: the tile is
+    widened in the layout it was loaded in and the 16-bit tile is laid out for the dot (ldmatrix,
+    transposed for V). Pure, the widening moves past the layout change and V's transposed fp8
+    operand is gathered byte by byte (measured: 1.6x the instructions of the bf16 cache's loop).
+    """
+    if WIDEN:
+        y = tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
+            "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+            "=r,=r,r", [x.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=False, pack=4)
+    else:
+        y = x.to(dtype)
+    return y
+
+
+@triton.jit
+def _max_pair(a0, b0, a1, b1):
+    return tl.maximum(a0, a1), tl.maximum(b0, b1)
+
+
+@triton.jit
 def _attend_block(
-    q, m_i, l_i, acc, n_start, end, k_head, v_head, bt_row, num_pages,
+    q, m_i, l_i, acc, u_v, n_start, end, k_head, v_head, bt_row, num_pages,
     b64, stride_k0, stride_k1, stride_v0, stride_v1, qk_scale,
     ks_head, vs_head, stride_ks0, stride_ks1, stride_vs0, stride_vs1,
     HEAD_DIM: tl.constexpr,
@@ -56,14 +83,21 @@ def _attend_block(
     PAGE_SIZE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     FP8: tl.constexpr,
+    FP8_WIDEN: tl.constexpr,
 ):
     """One online-softmax step over keys [n_start, n_start + BLOCK_N) clipped to `end`.
 
-    q [BLOCK_H, BLOCK_D] (cache dtype; q's own for an fp8 cache); m_i, l_i [BLOCK_H] fp32 (max /
-    sum in exp2 domain); acc [BLOCK_H, BLOCK_D] fp32 un-normalised output. n_start is a multiple
-    of BLOCK_N. FP8: K and V are e4m3 with a float32 scale per key (ks_head / vs_head); the tiles
-    are only widened to q's dtype, and the scales go on the scores (K's, per column) and on the
-    probabilities before P @ V (V's), a multiply per key instead of one per element.
+    q [BLOCK_H, BLOCK_D] (cache dtype); m_i, l_i [BLOCK_H] fp32 (max / sum in exp2 domain); acc
+    [BLOCK_H, BLOCK_D] fp32 un-normalised output. n_start is a multiple of BLOCK_N.
+
+    FP8: K and V are e4m3 with a float32 scale per key (ks_head / vs_head). The tiles are widened
+    to q's dtype (`_widen_e4m3`): float32, or float16 for a half-precision q (which comes scaled to
+    |q| <= 1, its scale inside qk_scale), the scales going on per key: K's on the scores, V's on the
+    probabilities before P @ V. Those products p * scale must stay in float16's range whatever
+    the cache's magnitudes, so they are taken relative to u_v [BLOCK_H], the largest V scale
+    seen so far (acc holds the output / u_v, rescaled with alpha when u_v grows, as for the
+    running maximum): p * scale / u_v <= 1. Without it a cache of V values ~1e-4 lost 23% of
+    the output's precision to float16's subnormals.
     """
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -104,8 +138,8 @@ def _attend_block(
     v = tl.load(v_head + v_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
 
     if FP8:
-        k = k.to(q.dtype)
-        v = v.to(q.dtype)
+        k = _widen_e4m3(k, FP8_WIDEN, q.dtype)
+        v = _widen_e4m3(v, FP8_WIDEN, q.dtype)
         k_sc = tl.load(ks_head + ks_rows, mask=n_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * (k_sc * qk_scale)[None, :]
     else:
@@ -114,16 +148,27 @@ def _attend_block(
     if PAGED:
         s = tl.where(page_ok, s, float("nan"))
 
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    if FP8:
+        # The largest V scale of the block, in the same reduction as the row maxima (a second
+        # reduction across the warps cost 20% at 1 x 262144).
+        v_sc = tl.load(vs_head + vs_rows, mask=n_mask, other=0.0)
+        s_max, v_max = tl.reduce((s, tl.broadcast_to(v_sc[None, :], s.shape)), 1, _max_pair)
+        m_new = tl.maximum(m_i, s_max)
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
     # Guard: a row with no finite score would give (-inf) - (-inf) = NaN.
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     if FP8:
-        p = p * tl.load(vs_head + vs_rows, mask=n_mask, other=0.0)[None, :]
+        u_new = tl.maximum(u_v, v_max)  # [BLOCK_H], every entry the same
+        inv_u = tl.where(u_new == 0.0, 1.0, 1.0 / u_new)  # all V rows zero so far: p * 0
+        p = p * v_sc[None, :] * inv_u[:, None]
+        alpha = alpha * (u_v * inv_u)
+        u_v = u_new
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
-    return m_new, l_i, acc
+    return m_new, l_i, acc, u_v
 
 
 @triton.jit
@@ -167,6 +212,7 @@ def _decode_split_kernel(
     MERGE_P: tl.constexpr = 1,  # FUSED_MERGE: splits loaded at once
     KV_STRIDES_8: tl.constexpr = False,  # K/V strides are multiples of 8 (only told if D % 16)
     FP8: tl.constexpr = False,  # e4m3 K/V with float32 scales per (key, KV head)
+    FP8_WIDEN: tl.constexpr = False,  # FP8: tiles widened by cvt (`_widen_e4m3`)
 ):
     pdl_wait(USE_PDL)  # q and the newest K/V come from the kernels before
     split = tl.program_id(0)
@@ -200,14 +246,25 @@ def _decode_split_kernel(
 
     # ---- q tile [BLOCK_H, D]; padded rows are zero and never stored ----
     q_ptrs = Q + b64 * stride_qb + q_head[:, None].to(tl.int64) * stride_qh + offs_d[None, :]
-    if FP8:  # the fp8 tiles are widened to q's dtype (tensor-core dots in it)
-        q = tl.load(q_ptrs, mask=hd_mask, other=0.0)
+    if FP8 and Q.dtype.element_ty == tl.float32:
+        q = tl.load(q_ptrs, mask=hd_mask, other=0.0)  # fp32 dots on the widened tiles
+    elif FP8:
+        # Half precision: the dots run in float16 (cheap to widen e4m3 to, `_widen_e4m3`), q
+        # scaled into [-1, 1] by a power of two (exact: float16's range for any q, and bf16's
+        # 8 significant bits fit its 11), the scale going onto the scores.
+        q = tl.load(q_ptrs, mask=hd_mask, other=0.0).to(tl.float32)
+        q_max = tl.maximum(tl.max(tl.max(tl.abs(q), axis=1), axis=0), 1e-30)
+        q_pow2 = ((1.0 / q_max).to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32,
+                                                                             bitcast=True)
+        q = (q * q_pow2).to(tl.float16)
+        qk_scale = qk_scale / q_pow2
     else:
         q = tl.load(q_ptrs, mask=hd_mask, other=0.0).to(K.dtype.element_ty)
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    u_v = tl.zeros([BLOCK_H], tl.float32)  # FP8: acc's unit, the largest V scale so far
 
     if KV_STRIDES_8:
         # Triton knows an int argument's divisibility only by 16: a head_dim such as 40 or 72
@@ -227,24 +284,27 @@ def _decode_split_kernel(
         # which the compiler can software-pipeline (num_stages).
         n_start = start
         while n_start < end:
-            m_i, l_i, acc = _attend_block(
-                q, m_i, l_i, acc, n_start, end, k_head, v_head, bt_row, num_pages,
+            m_i, l_i, acc, u_v = _attend_block(
+                q, m_i, l_i, acc, u_v, n_start, end, k_head, v_head, bt_row, num_pages,
                 b64, stride_k0, stride_k1, stride_v0, stride_v1, qk_scale,
                 ks_head, vs_head, stride_ks0, stride_ks1, stride_vs0, stride_vs1,
-                HEAD_DIM, BLOCK_D, BLOCK_N, PAGED, PAGE_SIZE, INPUT_PRECISION, FP8)
+                HEAD_DIM, BLOCK_D, BLOCK_N, PAGED, PAGE_SIZE, INPUT_PRECISION, FP8, FP8_WIDEN)
             n_start += BLOCK_N
     else:
         for it in range(start, end, BLOCK_N):
-            m_i, l_i, acc = _attend_block(
-                q, m_i, l_i, acc, tl.multiple_of(it, BLOCK_N), end, k_head, v_head, bt_row, num_pages,
+            m_i, l_i, acc, u_v = _attend_block(
+                q, m_i, l_i, acc, u_v, tl.multiple_of(it, BLOCK_N), end, k_head, v_head, bt_row, num_pages,
                 b64, stride_k0, stride_k1, stride_v0, stride_v1, qk_scale,
                 ks_head, vs_head, stride_ks0, stride_ks1, stride_vs0, stride_vs1,
-                HEAD_DIM, BLOCK_D, BLOCK_N, PAGED, PAGE_SIZE, INPUT_PRECISION, FP8)
+                HEAD_DIM, BLOCK_D, BLOCK_N, PAGED, PAGE_SIZE, INPUT_PRECISION, FP8, FP8_WIDEN)
 
     # ---- normalised partial output + natural-log LSE ----
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
-    o = acc / l_safe[:, None]  # acc == 0 for empty rows -> exactly 0
+    if FP8:  # acc is in units of u_v
+        o = acc * (u_v * (1.0 / l_safe))[:, None]
+    else:
+        o = acc / l_safe[:, None]  # acc == 0 for empty rows -> exactly 0
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)  # * ln(2)
     o = tl.where(len_ok, o, float("nan"))
     lse = tl.where(len_ok, lse, float("nan"))
@@ -289,8 +349,11 @@ def _decode_split_kernel(
 
 
 def _launch_config(head_dim: int, dtype: torch.dtype, block_h: int, keys_per_split: int,
-                   device: torch.device) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) for a cache dtype / head_dim / BLOCK_H / split length.
+                   device: torch.device, fp8: bool = False,
+                   programs: int = 0) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) for the dots' dtype / head_dim / BLOCK_H / split length;
+    fp8: an fp8 cache (dtype is then what its tiles are widened to), launched on `programs`
+    programs.
 
     Half precision, head_dim <= 128, measured with bench/tune_decode.py (16/2 heads, fp16,
     graph replay; bench/results/tune-decode-*.txt): shorter splits prefer BLOCK_N 64 (2 stages
@@ -304,6 +367,12 @@ def _launch_config(head_dim: int, dtype: torch.dtype, block_h: int, keys_per_spl
     tile's.
     """
     d = next_power_of_2(head_dim)
+    if fp8 and dtype == torch.float16 and d == 128 and block_h * d < 64 * 128:
+        # An fp8 cache (its tiles widened to float16 in shared memory: 103 KB at 2 stages), swept
+        # on an H100 (bench/results/fp8-decode-sweep-h100.txt): with more programs than SMs two
+        # fit per SM at 2 stages (3 stages: 8-17% slower there); one per SM takes 3 stages (2
+        # lose 20-22%).
+        return (128, 4, 2) if programs > device_sms(device) else (128, 4, 3)
     if dtype == torch.float32:
         return (32 if d <= 128 and block_h * d < 64 * 128 else 16), 8, 2
     if d == 256:
@@ -355,9 +424,15 @@ def _split_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_d = next_power_of_2(D)
     keys = cdiv(capacity, num_splits)
     fp8 = k_scale is not None
-    # The dtype the dots run in: the cache's, or q's for an fp8 cache (its tiles widened to it).
-    compute = q.dtype if fp8 else k_cache.dtype
-    block_n, num_warps, num_stages = config or _launch_config(D, compute, block_h, keys, q.device)
+    # The dtype the dots run in: the cache's; for an fp8 cache float32 with a float32 q, else
+    # float16 (the kernel's `_widen_e4m3`).
+    compute = k_cache.dtype if not fp8 else torch.float32 if q.dtype == torch.float32 else torch.float16
+    # cvt.rn.f16x2.e4m3x2 needs sm_89+ (so does Triton's own e4m3); the interpreter converts itself.
+    widen = (fp8 and not _INTERPRET and compute == torch.float16
+             and (device_capability(q.device) or (0, 0)) >= (8, 9))
+    programs = num_splits * B * Hkv * cdiv(group, block_h)
+    block_n, num_warps, num_stages = config or _launch_config(D, compute, block_h, keys, q.device,
+                                                              fp8, programs)
     # fp32: exact fp32 products (tf32 would cost ~1e-3 relative error).
     precision = "ieee" if compute == torch.float32 else "tf32"
     sks = k_scale.stride() if fp8 else (0, 0, 0)
@@ -391,6 +466,7 @@ def _split_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              PAGED=paged, PAGE_SIZE=page_size, INPUT_PRECISION=precision,
              INTERPRET_LOOP=_INTERPRET,
              HAS_SEQLENS=cache_seqlens is not None, **merge, KV_STRIDES_8=kv_strides_8, FP8=fp8,
+             FP8_WIDEN=widen,
              num_warps=num_warps,
              num_stages=num_stages, **pdl_launch(q.device)))
 
@@ -480,7 +556,8 @@ class DecodePlan:
         if num_splits is None:
             capacity = (block_table.shape[1] * k_cache.shape[1] if block_table is not None
                         else k_cache.shape[1])
-            num_splits = choose_num_splits(B, k_cache.shape[2], capacity, device_sms(q.device))
+            num_splits = choose_num_splits(B, k_cache.shape[2], capacity, device_sms(q.device),
+                                           **(FP8_SPLITS if k_scale is not None else {}))
         self.num_splits, self.return_lse = num_splits, return_lse
         self.lse_shape = (B, Hq)
         rows = B * Hq
@@ -618,6 +695,13 @@ def flash_decode(
     return plan(q, k_cache, v_cache, cache_seqlens, block_table, None, k_scale, v_scale)
 
 
+# choose_num_splits' arguments for an fp8 cache, swept on an H100 (bench/results/
+# fp8-decode-sweep-h100.txt): two programs per SM (its kernel runs more dependent steps per byte
+# than the bf16 one and hides them better two at a time: 5-16% faster from 2048 keys a split)
+# while splits keep >= 1024 keys (at 512 keys, 64 x 1024 with 16/2 heads, two per SM lose 22%).
+FP8_SPLITS = dict(programs_per_sm=2, min_keys_per_split=1024)
+
+
 def choose_num_splits(
     batch: int,
     num_kv_heads: int,
@@ -626,6 +710,7 @@ def choose_num_splits(
     *,
     min_keys_per_split: int = 256,
     max_splits: int = 128,
+    programs_per_sm: int = 1,
 ) -> int:
     """num_splits for flash_decode from static sizes only (capacity, not current lengths), so
     the launch grid -- and a captured CUDA graph -- stays valid as sequences grow.
@@ -636,10 +721,11 @@ def choose_num_splits(
     count was the largest power of two <= num_sms / (batch * kv_heads) at every shape of the
     Flash-Decoding table (1 for 64 x 2 programs ... 64 for 1 x 2), within 1 µs of the best
     elsewhere; more splits add merge work, fewer leave SMs idle. Splits keep at least
-    `min_keys_per_split` keys.
+    `min_keys_per_split` keys. `programs_per_sm` > 1 aims at that many programs per SM instead
+    (`FP8_SPLITS`: an fp8 cache's kernel, two programs sharing an SM).
     """
     base = max(1, batch * num_kv_heads)
-    want = max(1, num_sms // base)
+    want = max(1, programs_per_sm * num_sms // base)
     want = 1 << (want.bit_length() - 1)  # largest power of two <= num_sms / base
     by_length = max(1, max_seqlen_capacity // min_keys_per_split)
     return int(max(1, min(want, by_length, max_splits)))

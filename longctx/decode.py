@@ -26,7 +26,7 @@ def _check_decode_args(q, k_cache, v_cache, cache_seqlens, block_table, num_spli
     if q.dim() not in (3, 4):
         raise ValueError(f"q must be [B, Hq, D] or [B, 1, Hq, D], got shape {tuple(q.shape)}")
     check_dtype(q, "q")
-    if k_cache.dtype == FP8:  # q keeps its dtype; the kernel widens the fp8 tiles to it
+    if k_cache.dtype == FP8:  # q keeps its dtype (the kernel widens the fp8 tiles)
         check_same(k_cache, "k_cache", v_cache=v_cache)
         if k_cache.device != q.device:
             raise ValueError(f"k_cache is on {k_cache.device} but q is on {q.device}")
@@ -164,8 +164,8 @@ def decode(
             without head_dim ([B, S_max, Hkv], paged [num_pages, page_size, Hkv]; unit stride in
             Hkv): key j of KV head h is k_cache[.., j, h, :] * k_scale[.., j, h], value likewise
             (longctx.fp8: one scale per token and KV head). Required with an fp8 cache, refused
-            without one. The kernel widens the fp8 tiles to q's dtype and applies the scales
-            per key in registers.
+            without one. The kernel widens the fp8 tiles to float16 (float32 for a float32 q)
+            and applies the scales per key in registers.
 
     Returns:
         o with q's shape and dtype; with return_lse also lse [B, Hq] float32, natural log.

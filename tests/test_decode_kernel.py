@@ -14,7 +14,7 @@ import triton
 import longctx.kernels.utils as kernel_utils
 from longctx import merge_states
 from longctx.kernels.decode import (
-    _MAX_BLOCK_H, _launch_config, _split_launch, choose_num_splits, flash_decode,
+    _MAX_BLOCK_H, FP8_SPLITS, _launch_config, _split_launch, choose_num_splits, flash_decode,
     flash_decode_partials, fused_counters,
 )
 from longctx.reference import reference_attention
@@ -365,13 +365,20 @@ def test_choose_num_splits():
     vals = [choose_num_splits(b, 8, 1 << 16, 132) for b in range(1, 40)]
     assert all(a >= c for a, c in zip(vals, vals[1:]))
     assert all(v >= 1 for v in vals)
+    # An fp8 cache: two programs per SM where splits keep >= 1024 keys.
+    assert choose_num_splits(1, 8, 1 << 18, 132, **FP8_SPLITS) == 32
+    assert choose_num_splits(1, 2, 1 << 18, 132, **FP8_SPLITS) == 128
+    assert choose_num_splits(8, 2, 8192, 132, **FP8_SPLITS) == 8  # 1024 keys, not 16 x 512
+    assert choose_num_splits(64, 2, 1024, 132, **FP8_SPLITS) == 1
 
 
 def test_launch_config_by_gpu(monkeypatch):
     """64-key blocks from 1024 keys per split on GPUs named H100, 128 on others (measured);
-    64 below 1024 keys everywhere. The device name is stubbed: no GPU needed."""
+    64 below 1024 keys everywhere; an fp8 cache's rule by programs per SM. The device name and
+    SM count are stubbed: no GPU needed."""
     names = {0: "NVIDIA H100 80GB HBM3", 1: "NVIDIA H200"}
     monkeypatch.setattr(kernel_utils, "_device_name", lambda index: names[index])
+    monkeypatch.setattr(kernel_utils, "num_sms", lambda index: 132)
     h100, h200 = torch.device("cuda", 0), torch.device("cuda", 1)
     assert _launch_config(128, torch.float16, 16, 1024, h100) == (64, 4, 3)
     assert _launch_config(128, torch.bfloat16, 16, 65536, h100) == (64, 4, 3)
@@ -380,6 +387,9 @@ def test_launch_config_by_gpu(monkeypatch):
     for dev in (h100, h200):
         assert _launch_config(128, torch.float16, 16, 512, dev) == (64, 4, 3)
         assert _launch_config(128, torch.float16, 16, 256, dev) == (64, 4, 2)
+        # An fp8 cache (tiles widened to float16): 2 stages where two programs share an SM.
+        assert _launch_config(128, torch.float16, 16, 2048, dev, fp8=True, programs=256) == (128, 4, 2)
+        assert _launch_config(128, torch.float16, 16, 1024, dev, fp8=True, programs=128) == (128, 4, 3)
 
 
 @pytest.mark.gpu

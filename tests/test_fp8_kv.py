@@ -145,6 +145,41 @@ def test_prefill_kernel_reads_fp8_history(device, Sq, D):
     torch.testing.assert_close(lse.cpu().double(), want_lse, rtol=0, atol=2e-3)
 
 
+@pytest.mark.gpu
+@pytest.mark.interpreter
+@pytest.mark.parametrize("q_mag,v_mag", [(1.0, 1e-4), (1.0, 1e4), (1e-6, 1.0), (1e5, 1.0)])
+def test_decode_fp8_any_magnitude(device, q_mag, v_mag):
+    """The kernel's dots run in float16 on the widened tiles: q is scaled into [-1, 1] and the
+    probabilities times V's scales are taken relative to the largest V scale, so tiny or huge
+    q and V (float16 subnormals or overflow otherwise: 23% error at V ~ 1e-4) keep the
+    precision of a plain bf16 computation. A zero V row and a zero K row ride along. (On the
+    CPU q is float16 itself, so its magnitudes test nothing there and 1e5 cannot be held.)"""
+    if device != "cuda" and q_mag > 6e4:
+        pytest.skip("float16 q cannot hold 1e5")
+    g = torch.Generator().manual_seed(9)
+    B, S, Hq, Hkv, D = 2, 300, 8, 2, 64
+    k, v = _kv((B, S, Hkv, D), g)
+    v = v * v_mag
+    v[0, 7] = 0
+    k[1, 3] = 0
+    (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float16
+    q = (torch.randn(B, Hq, D, generator=g) * q_mag).to(dtype)
+    k64, v64 = dequantize_kv(kq, ks, torch.float64), dequantize_kv(vq, vs, torch.float64)
+    lens = torch.tensor([S, 211], dtype=torch.int32)
+    o, _ = flash_decode(q.to(device), kq.to(device), vq.to(device), lens.to(device), None,
+                        D**-0.5, 3, k_scale=ks.to(device), v_scale=vs.to(device))
+    want, _ = reference_attention(q[:, None].double(), k64, v64, softmax_scale=D**-0.5,
+                                  seqlens_k=lens)
+    # plain PyTorch in bf16 (on the CPU too: float16 would lose V ~ 1e-4 to subnormals itself)
+    plain, _ = reference_attention(q[:, None].to(torch.bfloat16), k64.to(torch.bfloat16),
+                                   v64.to(torch.bfloat16), softmax_scale=D**-0.5, seqlens_k=lens,
+                                   compute_dtype=torch.bfloat16)
+    err = (o.double().cpu() - want[:, 0]).abs().max()
+    err_plain = (plain[:, 0].double() - want[:, 0]).abs().max()
+    assert o.isfinite().all() and err <= 2 * err_plain, (err, err_plain)
+
+
 # --------------------------------------------------------------- store kernels (GPU) ---------
 
 @pytest.mark.gpu
