@@ -1,0 +1,106 @@
+"""The fp8-cache decode kernel's launch rule against its alternatives (a development tool; results
+inform kernels/decode.py's FP8_SPLITS and `_launch_config`). For each shape: the bf16 cache
+(longctx's own rule), optionally a previous decode kernel on the same fp8 cache, and the fp8
+kernel at 1x / 2x / 4x the one-wave split count with 128-key blocks and 2 or 3 stages; CUDA-graph
+replay, µs per call (split kernel + merge), with the rule's pick and the floor (the fp8 bytes and
+scales at the measured read bandwidth).
+
+    python bench/fp8_decode_sweep.py [--baseline OLD.py]
+    # OLD.py: e.g. `git show 5425e66:kernels/decode.py > /tmp/decode_5425e66.py`
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch"))
+from bench import graph_ms  # noqa: E402
+
+from longctx.fp8 import dequantize_kv, quantize_kv  # noqa: E402
+from longctx.kernels import decode as D  # noqa: E402
+from longctx.kernels.bandwidth import read_bandwidth  # noqa: E402
+from longctx.kernels.merge import merge_states_triton  # noqa: E402
+from longctx.kernels.utils import device_sms  # noqa: E402
+
+TIMING = dict(warmup_ms=5, rep_ms=20)
+SHAPES = [(16, 2, 64, 1024), (16, 2, 8, 8192), (16, 2, 1, 65536), (16, 2, 1, 262144),
+          (64, 8, 8, 8192), (64, 8, 1, 262144), (32, 4, 8, 8192), (32, 4, 1, 262144),
+          (32, 4, 1, 1048576)]
+CANDIDATES = [(1, (128, 4, 2)), (1, (128, 4, 3)), (2, (128, 4, 2)), (2, (128, 4, 3)),
+              (4, (128, 4, 2))]
+
+
+def run(mod, q, k, v, lens, splits, cfg, scales):
+    """Split kernel (+ merge) of decode module `mod` (kernels/decode.py or a previous one)."""
+    if splits == 1:
+        return mod.flash_decode_partials(q, k, v, lens, None, q.shape[-1] ** -0.5, 1,
+                                         out_dtype=q.dtype, config=cfg, **scales)[0]
+    o, lse = mod.flash_decode_partials(q, k, v, lens, None, q.shape[-1] ** -0.5, splits,
+                                       config=cfg, **scales)
+    out = merge_states_triton(o, lse, out_dtype=q.dtype)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--baseline", help="a previous kernels/decode.py, timed on the same fp8 cache")
+    args = ap.parse_args()
+    old = None
+    if args.baseline:
+        spec = importlib.util.spec_from_file_location("decode_baseline", args.baseline)
+        old = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(old)
+    bw, sms = read_bandwidth(), device_sms(torch.device("cuda"))
+    print(f"{torch.cuda.get_device_name()}, read bandwidth {bw / 1e12:.2f} TB/s, {sms} SMs")
+    print("candidates: " + " ".join(f"sp{m}x{c}" for m, c in CANDIDATES))
+    for hq, hkv, B, N in SHAPES:
+        q = torch.randn(B, hq, 128, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(B, N, hkv, 128, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        lens = torch.full((B,), N, device="cuda", dtype=torch.int32)
+        sp1 = D.choose_num_splits(B, hkv, N, sms)
+        bf_cfg = D._launch_config(128, torch.bfloat16, 16, triton.cdiv(N, sp1), q.device)
+        t_bf16 = graph_ms(lambda: run(D, q, k, v, lens, sp1, bf_cfg, {}), **TIMING) * 1e3
+        (k8, ks), (v8, vs) = quantize_kv(k), quantize_kv(v)
+        del k, v
+        scales = dict(k_scale=ks, v_scale=vs)
+        t_old = None
+        if old is not None:
+            cfg = old._launch_config(128, torch.bfloat16, 16, triton.cdiv(N, sp1), q.device)
+            t_old = graph_ms(lambda: run(old, q, k8, v8, lens, sp1, cfg, scales), **TIMING) * 1e3
+        times = {}
+        for mult, cfg in CANDIDATES:
+            sp = min(sp1 * mult, max(1, N // 256))
+            times[(sp, cfg)] = graph_ms(lambda: run(D, q, k8, v8, lens, sp, cfg, scales),
+                                        **TIMING) * 1e3
+        sp = D.choose_num_splits(B, hkv, N, sms, **D.FP8_SPLITS)
+        cfg = D._launch_config(128, torch.float16, 16, triton.cdiv(N, sp), q.device, True,
+                               sp * B * hkv)
+        if (sp, cfg) not in times:
+            times[(sp, cfg)] = graph_ms(lambda: run(D, q, k8, v8, lens, sp, cfg, scales),
+                                        **TIMING) * 1e3
+        o = run(D, q, k8, v8, lens, sp, cfg, scales)
+        kf = dequantize_kv(k8, ks).repeat_interleave(hq // hkv, 2)
+        vf = dequantize_kv(v8, vs).repeat_interleave(hq // hkv, 2)
+        p = (torch.einsum("bhd,bshd->bhs", q.float(), kf) * 128 ** -0.5).softmax(-1)
+        err = (o.float() - torch.einsum("bhs,bshd->bhd", p, vf)).abs().max().item()
+        del kf, vf, p
+        t = times[(sp, cfg)]
+        floor = 2 * (k8.numel() + 4 * ks.numel()) / bw * 1e6
+        print(f"{hq}/{hkv} {B}x{N}: floor {floor:.1f} | bf16 {t_bf16:.1f}"
+              + (f" | previous fp8 {t_old:.1f}" if t_old else "")
+              + " | " + " ".join(f"sp{s} {c}: {x:.1f}" for (s, c), x in times.items())
+              + f" | rule sp{sp} {cfg}: {t:.1f} us, {100 * floor / t:.0f}% of floor, "
+              f"{t_bf16 / t:.2f}x bf16" + (f", {t_old / t:.2f}x previous" if t_old else "")
+              + f", max err {err:.1e}", flush=True)
+        del q, k8, v8, ks, vs
+
+
+if __name__ == "__main__":
+    main()
