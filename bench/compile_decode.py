@@ -1,0 +1,127 @@
+"""Offline sm_90 compile of the split-KV decode kernel (kernels/decode.py): the hot loop's SASS.
+
+    python bench/compile_decode.py                       # bf16 cache vs fp8 cache, 16/2 heads, D=128
+    python bench/compile_decode.py --fp8 --q bf16 --config 128,4,2 --sass /tmp/loop.sass
+    python bench/compile_decode.py --fp8 --widen triton  # the fp8 tiles widened by Triton's own .to()
+
+No GPU needed. Builds the launch `kernels/decode.py` makes for a contiguous cache (1 x 262144 keys,
+16 / 2 heads unless told; the split count and config as given or by the launch rule) on CPU
+tensors, lets Triton's binder specialise the arguments for an sm_90 target as a launch would, and
+compiles. Prints per kernel: shared memory, the instructions of the innermost loop that issues
+tensor-core MMAs (one key block per iteration: the kernel's cost per BLOCK_N keys per thread) and
+its most frequent opcodes. On a CPU the launch would take Triton's conversion for an fp8 cache
+(no CUDA capability to check); `--widen` says which one to compile, `cvt` (default: what an sm_89+
+GPU runs) or `triton`.
+
+BENCHMARKS.md's fp8 section quotes these counts (the bf16 cache's 703 instructions per 128 keys,
+the fp8 cache's 777 / 810 at 2 / 3 stages, 1267 with `--widen triton --q fp16 --config
+128,4,3`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+import triton
+from triton import knobs
+from triton.backends.compiler import GPUTarget
+from triton.compiler.compiler import ASTSource, make_backend
+from triton.runtime.jit import create_function_from_signature
+
+from longctx.kernels import decode as D
+
+TARGET = GPUTarget("cuda", 90, 32)  # an H100 / H200
+BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def compile_decode(fp8: bool, q_dtype: torch.dtype, config: tuple[int, int, int] | None,
+                   widen_cvt: bool = True, B: int = 1, S: int = 262144, Hq: int = 16,
+                   Hkv: int = 2, Dh: int = 128, splits: int | None = None):
+    """The compiled split kernel (Triton's CompiledKernel) of that launch, for sm_90."""
+    q = torch.empty(B, Hq, Dh, dtype=q_dtype)
+    k = torch.empty(B, S, Hkv, Dh, dtype=torch.float8_e4m3fn if fp8 else q_dtype)
+    v = torch.empty_like(k)
+    ks = vs = torch.empty(B, S, Hkv) if fp8 else None
+    lens = torch.empty(B, dtype=torch.int32)
+    if splits is None:
+        splits = D.choose_num_splits(B, Hkv, S, 132, **(D.FP8_SPLITS if fp8 else {}))
+    launch = D._split_launch(q, k, v, lens, None, Dh ** -0.5, splits, torch.float32, config,
+                             k_scale=ks, v_scale=vs)
+    kwargs = dict(launch.kwargs, USE_PDL=True)  # as on an sm_90 GPU
+    kwargs.pop("launch_pdl", None)
+    if fp8:
+        kwargs["FP8_WIDEN"] = widen_cvt and q_dtype != torch.float32
+    o = torch.empty(splits, B, Hq, Dh)
+    lse = torch.empty(splits, B, Hq)
+    dyn = (q, k, v, lens, lens, o, lse, o, lse, lse, ks if fp8 else lse, vs if fp8 else lse)
+    fn = launch.fn
+    backend = make_backend(TARGET)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    kwargs.update(debug=False, instrumentation_mode=knobs.compilation.instrumentation_mode)
+    bound, spec, opts = binder(*dyn, *launch.tail, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, spec, opts)
+    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=TARGET,
+                          options=options.__dict__)
+
+
+def hot_loop(cubin: bytes) -> list[str]:
+    """The instructions of the longest innermost SASS loop that issues MMAs."""
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "k.cubin"
+        path.write_bytes(cubin)
+        sass = subprocess.run([BIN / "nvdisasm", "-c", path], capture_output=True, text=True,
+                              check=True).stdout
+    ins, labels, pending = [], {}, []
+    for line in sass.splitlines():
+        m = re.match(r"^\s*\.(L_x_\d+):", line)
+        if m:
+            pending.append(m.group(1))
+            continue
+        m = re.search(r"/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;", line)
+        if m:
+            labels.update({p: len(ins) for p in pending})
+            pending = []
+            ins.append(m.group(1))
+    best: list[str] = []
+    for i, text in enumerate(ins):
+        m = re.search(r"BRA\s.*`\(\.(L_x_\d+)\)", text)
+        if m and labels.get(m.group(1), i + 1) < i:
+            body = ins[labels[m.group(1)]:i + 1]
+            if any("MMA" in x for x in body) and len(body) > len(best):
+                best = body
+    return best
+
+
+def opcode(instruction: str) -> str:
+    return re.sub(r"^@!?U?P\w+\s+", "", instruction).split()[0].split(".")[0]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--fp8", action="store_true", help="only the fp8 cache (default: both)")
+    ap.add_argument("--q", choices=DTYPES, default="bf16", help="q's dtype (the cache's if not fp8)")
+    ap.add_argument("--config", help="BLOCK_N,num_warps,num_stages (default: the launch rule)")
+    ap.add_argument("--widen", choices=("cvt", "triton"), default="cvt")
+    ap.add_argument("--sass", help="write the fp8 kernel's hot loop here")
+    args = ap.parse_args()
+    config = tuple(int(x) for x in args.config.split(",")) if args.config else None
+    for fp8 in ((True,) if args.fp8 else (False, True)):
+        ck = compile_decode(fp8, DTYPES[args.q], config, args.widen == "cvt")
+        body = hot_loop(ck.asm["cubin"])
+        top = collections.Counter(opcode(x) for x in body).most_common(14)
+        print(f"{'fp8' if fp8 else args.q} cache, {args.q} q, {ck.metadata.num_warps} warps: "
+              f"shared memory {ck.metadata.shared} B, loop {len(body)} instructions")
+        print("    " + ", ".join(f"{k} {n}" for k, n in top))
+        if fp8 and args.sass:
+            Path(args.sass).write_text("\n".join(body) + "\n")
+
+
+if __name__ == "__main__":
+    main()
