@@ -1,8 +1,8 @@
 """Offline sm_90 compile of the split-KV decode kernel (kernels/decode.py): the hot loop's SASS.
 
-    python bench/compile_decode.py                       # bf16 cache vs fp8 cache, 16/2 heads, D=128
-    python bench/compile_decode.py --fp8 --q bf16 --config 128,4,2 --sass /tmp/loop.sass
-    python bench/compile_decode.py --fp8 --widen triton  # the fp8 tiles widened by Triton's own .to()
+    python bench/compile_decode.py                      # bf16 vs fp8 cache, 16/2 heads, D=128
+    python bench/compile_decode.py --fp8 --config 128,4,2 --sass loop.sass
+    python bench/compile_decode.py --fp8 --widen triton # fp8 tiles widened by Triton's .to()
 
 No GPU needed. Builds the launch `kernels/decode.py` makes for a contiguous cache (1 x 262144 keys,
 16 / 2 heads unless told; the split count and config as given or by the launch rule) on CPU
@@ -106,7 +106,8 @@ def opcode(instruction: str) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--fp8", action="store_true", help="only the fp8 cache (default: both)")
-    ap.add_argument("--q", choices=DTYPES, default="bf16", help="q's dtype (the cache's if not fp8)")
+    ap.add_argument("--q", choices=DTYPES, default="bf16",
+                    help="q's dtype (the cache's if not fp8)")
     ap.add_argument("--config", help="BLOCK_N,num_warps,num_stages (default: the launch rule)")
     ap.add_argument("--widen", choices=("cvt", "triton"), default="cvt")
     ap.add_argument("--sass", help="write the fp8 kernel's hot loop here")

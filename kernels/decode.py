@@ -293,7 +293,8 @@ def _decode_split_kernel(
     else:
         for it in range(start, end, BLOCK_N):
             m_i, l_i, acc, u_v = _attend_block(
-                q, m_i, l_i, acc, u_v, tl.multiple_of(it, BLOCK_N), end, k_head, v_head, bt_row, num_pages,
+                q, m_i, l_i, acc, u_v, tl.multiple_of(it, BLOCK_N), end, k_head, v_head, bt_row,
+                num_pages,
                 b64, stride_k0, stride_k1, stride_v0, stride_v1, qk_scale,
                 ks_head, vs_head, stride_ks0, stride_ks1, stride_vs0, stride_vs1,
                 HEAD_DIM, BLOCK_D, BLOCK_N, PAGED, PAGE_SIZE, INPUT_PRECISION, FP8, FP8_WIDEN)
@@ -426,7 +427,8 @@ def _split_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     fp8 = k_scale is not None
     # The dtype the dots run in: the cache's; for an fp8 cache float32 with a float32 q, else
     # float16 (the kernel's `_widen_e4m3`).
-    compute = k_cache.dtype if not fp8 else torch.float32 if q.dtype == torch.float32 else torch.float16
+    compute = (k_cache.dtype if not fp8
+               else torch.float32 if q.dtype == torch.float32 else torch.float16)
     # cvt.rn.f16x2.e4m3x2 needs sm_89+ (so does Triton's own e4m3); the interpreter converts itself.
     widen = (fp8 and not _INTERPRET and compute == torch.float16
              and (device_capability(q.device) or (0, 0)) >= (8, 9))

@@ -5,6 +5,7 @@ interpreter on CPU, compiled on a GPU."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -388,8 +389,9 @@ def test_launch_config_by_gpu(monkeypatch):
         assert _launch_config(128, torch.float16, 16, 512, dev) == (64, 4, 3)
         assert _launch_config(128, torch.float16, 16, 256, dev) == (64, 4, 2)
         # An fp8 cache (tiles widened to float16): 2 stages where two programs share an SM.
-        assert _launch_config(128, torch.float16, 16, 2048, dev, fp8=True, programs=256) == (128, 4, 2)
-        assert _launch_config(128, torch.float16, 16, 1024, dev, fp8=True, programs=128) == (128, 4, 3)
+        fp8_rule = functools.partial(_launch_config, 128, torch.float16, 16, device=dev, fp8=True)
+        assert fp8_rule(2048, programs=256) == (128, 4, 2)
+        assert fp8_rule(1024, programs=128) == (128, 4, 3)
 
 
 @pytest.mark.gpu
