@@ -23,21 +23,19 @@ from __future__ import annotations
 import argparse
 import collections
 import re
-import subprocess
-import tempfile
+import sys
 from pathlib import Path
 
 import torch
 import triton
 from triton import knobs
-from triton.backends.compiler import GPUTarget
 from triton.compiler.compiler import ASTSource, make_backend
 from triton.runtime.jit import create_function_from_signature
 
 from longctx.kernels import decode as D
 
-TARGET = GPUTarget("cuda", 90, 32)  # an H100 / H200
-BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from compile_prefill_hopper import TARGET, disassemble, innermost_loops  # noqa: E402
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -73,30 +71,8 @@ def compile_decode(fp8: bool, q_dtype: torch.dtype, config: tuple[int, int, int]
 
 def hot_loop(cubin: bytes) -> list[str]:
     """The instructions of the longest innermost SASS loop that issues MMAs."""
-    with tempfile.TemporaryDirectory() as d:
-        path = Path(d) / "k.cubin"
-        path.write_bytes(cubin)
-        sass = subprocess.run([BIN / "nvdisasm", "-c", path], capture_output=True, text=True,
-                              check=True).stdout
-    ins, labels, pending = [], {}, []
-    for line in sass.splitlines():
-        m = re.match(r"^\s*\.(L_x_\d+):", line)
-        if m:
-            pending.append(m.group(1))
-            continue
-        m = re.search(r"/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;", line)
-        if m:
-            labels.update({p: len(ins) for p in pending})
-            pending = []
-            ins.append(m.group(1))
-    best: list[str] = []
-    for i, text in enumerate(ins):
-        m = re.search(r"BRA\s.*`\(\.(L_x_\d+)\)", text)
-        if m and labels.get(m.group(1), i + 1) < i:
-            body = ins[labels[m.group(1)]:i + 1]
-            if any("MMA" in x for x in body) and len(body) > len(best):
-                best = body
-    return best
+    loops = [b for b in innermost_loops(disassemble(cubin)) if any("MMA" in x for x in b)]
+    return max(loops, key=len, default=[])
 
 
 def opcode(instruction: str) -> str:

@@ -238,11 +238,9 @@ def partitions(sass: str) -> list[dict]:
     return [r for r in regions if r["n"]]
 
 
-def round_loops(sass: str) -> list[tuple[int, int]]:
-    """(instructions, PRMTs) of each innermost SASS loop that issues wgmmas and exp2s: the
-    consumers' round loops (per round S = Q K^T, O += P V, the softmax; both softmax branches
-    counted). Its length is the hot loop's cost in instructions; PRMTs there are register
-    shuffles of P (ptxas adds 32 per round where two loops carry P, kernels/prefill_hopper.py)."""
+def innermost_loops(sass: str) -> list[list[str]]:
+    """The instructions of each innermost SASS loop (a backward branch enclosing no other), in
+    address order."""
     ins, labels, pending = [], {}, []
     for line in sass.splitlines():
         m = re.match(r"^\s*\.(L_x_\d+):", line)
@@ -259,13 +257,17 @@ def round_loops(sass: str) -> list[tuple[int, int]]:
         m = re.search(r"BRA\s.*`\(\.(L_x_\d+)\)", text)
         if m and labels.get(m.group(1), i + 1) < i:
             spans.append((labels[m.group(1)], i))
-    out = []
-    for a, e in spans:
-        inner = any(a <= a2 and e2 <= e and (a2, e2) != (a, e) for a2, e2 in spans)
-        body = ins[a:e + 1]
-        if not inner and any("HGMMA" in x for x in body) and any("MUFU.EX2" in x for x in body):
-            out.append((len(body), sum("PRMT" in x for x in body)))
-    return out
+    return [ins[a:e + 1] for a, e in spans
+            if not any(a <= a2 and e2 <= e and (a2, e2) != (a, e) for a2, e2 in spans)]
+
+
+def round_loops(sass: str) -> list[tuple[int, int]]:
+    """(instructions, PRMTs) of each innermost SASS loop that issues wgmmas and exp2s: the
+    consumers' round loops (per round S = Q K^T, O += P V, the softmax; both softmax branches
+    counted). Its length is the hot loop's cost in instructions; PRMTs there are register
+    shuffles of P (ptxas adds 32 per round where two loops carry P, kernels/prefill_hopper.py)."""
+    return [(len(body), sum("PRMT" in x for x in body)) for body in innermost_loops(sass)
+            if any("HGMMA" in x for x in body) and any("MUFU.EX2" in x for x in body)]
 
 
 def compile_variant(v: dict, sass_dir: str | None) -> dict:
