@@ -3,9 +3,10 @@
     python bench/compile_prefill_hopper.py [--sass DIR] [-j JOBS] [-k TEXT]
 
 No GPU needed. For every kernel variant the dispatch (`hopper_kernel_applies`) can launch --
-bf16 / fp16, head_dim 64 / 128 / 256 (and 96, 192, 80, 40: padded to those tiles), causal or
-not, output or accumulate (the ring's fused merge), host descriptors (B == 1 at any length, or
-lengths multiples of the tiles) or device-side ones (B > 1 with ragged lengths, varlen), causal
+bf16 / fp16, head_dim 64 / 128 / 256 (and 96, 192, 80, 160, 48 split in two tiles, 40 padded
+to 64: kernels/prefill_hopper.py `head_tiles`), causal or not, output or accumulate (the ring's
+fused merge), host descriptors (B == 1 at any length, or lengths multiples of the tiles) or
+device-side ones (B > 1 with ragged lengths, varlen), causal
 offsets as ints or [B] tensors, GQA group 1 / 3 / 8 / 16 with query-head counts 1, 12, 16, 32,
 64 -- it builds the launch arguments with the launcher's own `launch_args` on CPU tensors and
 lets Triton's own binder specialise them for an sm_90 target (integers equal to 1 become
@@ -94,9 +95,10 @@ def variants() -> list[dict]:
                                 Sk=5000))
             out.append(_variant(dtype=dtype, causal=True, D=d, offsets="tensor", varlen=True,
                                 B=3, Sq=3000, Sk=3000))
-        # head_dims that are not powers of two: the tiles of the next one, always device
-        # descriptors (every variant at 96 and 192, the fp16 ones at 96; a few at 80 and 40)
-        for d in (96, 192, 80, 40):
+        # head_dims that are not powers of two, always device descriptors: split into two
+        # tiles (96, 192, 80, 160, 48) or padded to the next power of two (40); every variant
+        # at 96 and 192, the fp16 ones at 96, a few at the others
+        for d in (96, 192, 80, 40, 160, 48):
             if dtype == torch.float16 and d != 96:
                 continue
             full_set = d in (96, 192)

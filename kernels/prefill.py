@@ -464,10 +464,9 @@ _CAUSAL_MIN_SEQLEN_Q = 2048
 _MIN_PROGRAMS = 512
 # head_dim tiles the dispatch sends to the Gluon kernel (its HEAD_DIMS: 64, 128, 256); 64 and 256
 # are expected faster than the Triton kernel, to be confirmed by bench/check_prefill_hopper.py.
-# A head_dim between them (40 .. 248, multiples of 8: 80, 96, 192, ...) goes there too, padded
-# to its tile: both kernels pad it to the same power of two (tensor cores and shared memory
-# sized by the tile, TMA zero-filling the padding columns), so the Gluon kernel's lead at the
-# tile's width carries over; the Triton kernel would run the same padded tiles, slower.
+# A head_dim between them (40 .. 248, multiples of 8: 80, 96, 192, ...) goes there too: split
+# into two power-of-two tiles where it can be (192 = 128 + 64; no padding), else padded to its
+# tile as the Triton kernel pads it (kernels/prefill_hopper.py `head_tiles`).
 _HOPPER_HEAD_DIMS = (64, 128, 256)
 _PREFILL_KERNEL_ENV = "LONGCTX_PREFILL_KERNEL"
 

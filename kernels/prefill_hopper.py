@@ -8,9 +8,9 @@ interpreter. The masking rule (key-tile bounds, masked softmax step) is kernels/
 Triton functions that the tests also run under the interpreter.
 
 Covers: bf16 / fp16, head_dim 64, 128 or 256 and every multiple of 8 in between (40 .. 248:
-tiles of the next power of two, below), dense q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] or varlen
-q [total_q, Hq, D], k/v [total_k, Hkv, D] with cu_seqlens, any GQA group, optionally merging
-into a running (O, LSE) state (the ring's fused merge, dense only).
+split into two power-of-two tiles or padded to the next, below), dense q [B, Sq, Hq, D], k/v
+[B, Sk, Hkv, D] or varlen q [total_q, Hq, D], k/v [total_k, Hkv, D] with cu_seqlens, any GQA
+group, optionally merging into a running (O, LSE) state (the ring's fused merge, dense only).
 
 Tiles move by TMA, through one of two kinds of descriptors:
   * device (what longctx.attention runs): per program, a descriptor [seqlen, D] over one
@@ -70,16 +70,23 @@ branch 459; the former causal kernel's round, peeled diagonal after its loop, ra
 
 Tiles: BLOCK_N = 128 keys for head_dim 64 and 128; 64 for head_dim 256 (shared memory: Q
 128 x 256 and two slots each of K and V, 192 KiB; the fp32 O accumulator is 64 x 256 per
-warpgroup, 128 registers a thread). Any other head_dim D runs the tiles of BLOCK_D = the next
-power of two (96 and 80 those of 128, 192 those of 256): the device descriptors span the head's
-D columns, so TMA zero-fills columns D .. BLOCK_D - 1 of Q, K and V in shared memory (they add
-0 to Q K^T and give O columns that are never stored) and drops them from the O stores; the
-fused merge masks them. The tensor cores then do BLOCK_D / D times the work of D (4/3 at 96 and
-192), the softmax no more. (Gluon tensors are powers of two: an exact width would take the head
-in power-of-two parts, 96 = 64 + 32, with two MMAs each for Q K^T and P V.) Host descriptors
-([B * S, H * D]) would load the next head's columns into the padding: a padded D always runs
-device descriptors. Compiled (bench/compile_prefill_hopper.py) the padded kernels are the tile's:
-the same registers, shared memory and round loop.
+warpgroup, 128 registers a thread) and every head_dim above 128. Gluon tensors are powers of
+two, so another head_dim D runs one of two ways (`head_tiles`):
+  * split (192 = 128 + 64, 160, 96, 80, 48: the rest above the largest power of two below D is a
+    power of two >= 16): Q, K, V and O as two column tiles, BLOCK_D and D_HI wide, each with its
+    own device descriptor, shared-memory buffers and TMA loads (one barrier per tile counts
+    both); S = Q K^T is two wgmmas (the second accumulating), O += P V two wgmmas into two
+    accumulators. No padding: the tensor cores do D's work. Measured against the padded tile
+    (bench/prefill_head_split.py, H100): 1.04-1.07x at 96, 1.15-1.32x at 192, 1.28-1.44x at 160.
+  * padded (40, 56, 72, 88, ...: the rest is not a power of two >= 16): the tile of BLOCK_D = the
+    next power of two; the device descriptors span the head's D columns, so TMA zero-fills
+    columns D .. BLOCK_D - 1 of Q, K and V in shared memory (they add 0 to Q K^T and give O
+    columns that are never stored) and drops them from the O stores; the fused merge masks them.
+    The tensor cores then do BLOCK_D / D times the work of D, the softmax no more. Compiled
+    (bench/compile_prefill_hopper.py) the padded kernels are the tile's: the same registers,
+    shared memory and round loop.
+Either way a head_dim that is not a power of two runs device descriptors: host descriptors
+([B * S, H * D]) would load the next head's columns into the padding or across the split.
 
 What ptxas does (bench/compile_prefill_hopper.py checks every dispatchable variant): no spills,
 no C75xx wgmma-serialization warnings, consumers within their 240 registers. The softmax exp2s
@@ -123,7 +130,9 @@ __all__ = ["hopper_attention_fwd", "HEAD_DIMS"]
 _LOG2E = 1.4426950408889634
 BLOCK_M = 128       # query rows per program
 WG_ROWS = 64        # query rows per consumer warpgroup
-HEAD_DIMS = (64, 128, 256)  # head_dim tiles; other multiples of 8 in (32, 256] pad to one
+HEAD_DIMS = (64, 128, 256)  # head_dim tiles; other multiples of 8 in (32, 256]: `head_tiles`
+# False: every head_dim runs padded to one tile (the A/B of bench/prefill_head_split.py)
+SPLIT_HEADS = True
 NUM_STAGES = 2      # K / V ring slots
 NUM_WARPS = 4       # the default partition (consumer 0); the workers add 4 + 1 (padded to 4)
 CONSUMER_REGS = 240
@@ -134,9 +143,22 @@ PRODUCER_REGS_DEVICE_DESC = 32
 _GL_DTYPE = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
+def head_tiles(head_dim: int) -> tuple[int, int]:
+    """(BLOCK_D, D_HI): the head's columns as the kernel tiles them. A power of two is one tile
+    (D_HI = 0). Any other head_dim whose rest above the largest power of two below it is a power
+    of two >= 16 (wgmma's K step) runs as those two tiles: 192 = 128 + 64, 160 = 128 + 32,
+    96 = 64 + 32, 80 = 64 + 16, 48 = 32 + 16 (no padding). The rest (40, 56, 72, 88, 104, ...)
+    run one tile of the next power of two, padded (D_HI = 0), as all do if SPLIT_HEADS is off."""
+    tile = next_power_of_2(head_dim)
+    rest = head_dim - tile // 2
+    if SPLIT_HEADS and tile != head_dim and rest >= 16 and rest == next_power_of_2(rest):
+        return tile // 2, rest
+    return tile, 0
+
+
 def block_n(head_dim: int) -> int:
-    """Keys per tile: 128, or 64 for head_dim 256 and the head_dims padded to it (shared memory,
-    see the module docstring)."""
+    """Keys per tile: 128, or 64 for head_dims above 128 (shared memory, see the module
+    docstring)."""
     return 64 if head_dim > 128 else 128
 
 
@@ -210,55 +232,78 @@ def _rows_source(desc, X, b, head, seq0, seqlen, seqlen_dense, stride_b, stride_
 
 
 @gluon.jit
-def _load_tile(desc, smem, full, empty, t, row0, col, BLOCK_N: gl.constexpr,
-               NUM_STAGES: gl.constexpr):
-    """Producer: wait until ring slot t % NS is free, then TMA-load key tile t into it."""
+def _load_tile(desc, smem, desc_hi, smem_hi, full, empty, t, row0, col, BLOCK_N: gl.constexpr,
+               NUM_STAGES: gl.constexpr, D_HI: gl.constexpr):
+    """Producer: wait until ring slot t % NS is free, then TMA-load key tile t into it (and its
+    columns BLOCK_D .. D - 1 into smem_hi, a split head: device descriptors, row 0 column 0)."""
     slot = t % NUM_STAGES
     mbarrier.wait(empty.index(slot), ((t // NUM_STAGES) & 1) ^ 1)
-    mbarrier.expect(full.index(slot), desc.block_type.nbytes)
+    if D_HI > 0:
+        mbarrier.expect(full.index(slot), desc.block_type.nbytes + desc_hi.block_type.nbytes)
+    else:
+        mbarrier.expect(full.index(slot), desc.block_type.nbytes)
     tma.async_copy_global_to_shared(desc, [row0 + t * BLOCK_N, col], full.index(slot),
                                     smem.index(slot))
+    if D_HI > 0:
+        tma.async_copy_global_to_shared(desc_hi, [t * BLOCK_N, 0], full.index(slot),
+                                        smem_hi.index(slot))
 
 
 @gluon.jit
 def _round(j, q, p_op, acc, alpha, m_i, l_i, qk_scale, k_smem, v_smem, k_full, k_empty, v_full,
-           v_empty, s_zero, cols, row_lim, n_full, NUM_STAGES: gl.constexpr,
-           BLOCK_N: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr,
+           v_empty, s_zero, cols, row_lim, n_full, q_hi, acc_hi, k_hi, v_hi,
+           NUM_STAGES: gl.constexpr, BLOCK_N: gl.constexpr, D_HI: gl.constexpr,
+           o_layout: gl.constexpr, o_hi_layout: gl.constexpr, p_layout: gl.constexpr,
            dtype: gl.constexpr):
     """FA3-order round j + 1: S_{j+1} = Q K_{j+1}^T and O = alpha_j O + P_j V_j on the tensor
     cores, softmax of S_{j+1} (masked by the rows' key limits `row_lim` from key tile n_full on)
-    -> P_{j+1}, alpha_{j+1}."""
+    -> P_{j+1}, alpha_{j+1}. A split head (D_HI > 0) adds its high columns: a second wgmma into
+    S (use_acc) and a second accumulator acc_hi."""
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     t = j + 1
     ks = t % NUM_STAGES
     mbarrier.wait(k_full.index(ks), (t // NUM_STAGES) & 1)
     s_tok = warpgroup_mma(q, k_smem.index(ks).permute((1, 0)), s_zero, use_acc=False,
                           is_async=True)
+    if D_HI > 0:
+        s_tok = warpgroup_mma(q_hi, k_hi.index(ks).permute((1, 0)), s_tok, is_async=True)
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+    if D_HI > 0:
+        acc_hi = acc_hi * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_hi_layout)),
+                                         1)
     vs = j % NUM_STAGES
     mbarrier.wait(v_full.index(vs), (j // NUM_STAGES) & 1)
     acc_tok = warpgroup_mma(p_op, v_smem.index(vs), acc, is_async=True)
-    s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
+    if D_HI > 0:
+        acc_hi_tok = warpgroup_mma(p_op, v_hi.index(vs), acc_hi, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=2, deps=(s_tok, ))
+    else:
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok, ))
     mbarrier.arrive(k_empty.index(ks), count=1)
     if t >= n_full:
         p, alpha, m_i, l_i = _softmax_step_masked(s, cols, row_lim - t * BLOCK_N, m_i, l_i,
                                                   qk_scale)
     else:
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
-    acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, p_op))
+    if D_HI > 0:
+        acc, acc_hi, p_op = warpgroup_mma_wait(num_outstanding=0,
+                                               deps=(acc_tok, acc_hi_tok, p_op))
+    else:
+        acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, p_op))
     mbarrier.arrive(v_empty.index(vs), count=1)
     p_op = gl.convert_layout(p.to(dtype), p_layout)
-    return acc, p_op, alpha, m_i, l_i
+    return acc, acc_hi, p_op, alpha, m_i, l_i
 
 
 @gluon.jit
-def _merge_into_state(o, lse, rows, O_ACC, LSE_ACC, b, h, seqlen_q, stride_ob, stride_os,
+def _merge_into_state(o, o_hi, lse, rows, O_ACC, LSE_ACC, b, h, seqlen_q, stride_ob, stride_os,
                       stride_oh, stride_lb, stride_ls, stride_lh, HEAD_DIM: gl.constexpr,
-                      BLOCK_D: gl.constexpr, o_layout: gl.constexpr):
-    """Fold a warpgroup's state (o [ROWS, BLOCK_D] normalised fp32, lse [ROWS] natural log, of
-    in-sequence query rows `rows`) into the running state O_ACC [B, Sq, Hq, D] / LSE_ACC
-    [B, Sq, Hq] float32 (strides given), in place; rows >= seqlen_q and columns >= D (a padded
-    head_dim) are left alone.
+                      BLOCK_D: gl.constexpr, D_HI: gl.constexpr, o_layout: gl.constexpr,
+                      o_hi_layout: gl.constexpr):
+    """Fold a warpgroup's state (o [ROWS, BLOCK_D] normalised fp32 (and a split head's columns
+    BLOCK_D .. BLOCK_D + D_HI - 1 in o_hi), lse [ROWS] natural log, of in-sequence query rows
+    `rows`) into the running state O_ACC [B, Sq, Hq, D] / LSE_ACC [B, Sq, Hq] float32 (strides
+    given), in place; rows >= seqlen_q and columns >= D (a padded head_dim) are left alone.
 
     kernels/prefill.py's ACCUMULATE epilogue: merge_into's rule through the merge layer's own
     `_rescale` / `_state_lse` (kernels/merge.py; Triton functions, callable from Gluon). Each
@@ -275,38 +320,59 @@ def _merge_into_state(o, lse, rows, O_ACC, LSE_ACC, b, h, seqlen_q, stride_ob, s
     w_old, w_new = _rescale(lse_old, m, lse)
     # an empty running state (w_old == 0) is never read: its O may be anything, NaN included
     old_ok = gl.expand_dims((w_old > 0) & row_ok, 1)
-    if HEAD_DIM != BLOCK_D:
+    new_ok = gl.expand_dims(row_ok, 1)
+    if HEAD_DIM < BLOCK_D:  # padded
         old_ok = old_ok & gl.expand_dims(cols < HEAD_DIM, 0)
-    o_old = gl.load(o_ptrs, mask=old_ok, other=0.0)
+        new_ok = new_ok & gl.expand_dims(cols < HEAD_DIM, 0)
     s = w_old + w_new
-    o = ((o_old * gl.expand_dims(w_old, 1) + o * gl.expand_dims(w_new, 1))
-         / gl.expand_dims(gl.where(s > 0, s, 1.0), 1))
+    o = _merged(o, gl.load(o_ptrs, mask=old_ok, other=0.0), w_old, w_new, s)
+    if D_HI > 0:  # a split head's columns BLOCK_D .. BLOCK_D + D_HI - 1, the same rule
+        row_hi: gl.constexpr = gl.SliceLayout(1, o_hi_layout)
+        cols_hi = BLOCK_D + gl.arange(0, D_HI, layout=gl.SliceLayout(0, o_hi_layout))
+        row_ok_hi = gl.convert_layout(row_ok, row_hi)
+        w_old_hi = gl.convert_layout(w_old, row_hi)
+        o_hi_ptrs = (O_ACC + b.to(gl.int64) * stride_ob + h.to(gl.int64) * stride_oh
+                     + gl.expand_dims(gl.convert_layout(rows64, row_hi) * stride_os, 1)
+                     + gl.expand_dims(cols_hi, 0))
+        o_hi_old = gl.load(o_hi_ptrs, mask=gl.expand_dims((w_old_hi > 0) & row_ok_hi, 1),
+                           other=0.0)
+        o_hi = _merged(o_hi, o_hi_old, w_old_hi, gl.convert_layout(w_new, row_hi),
+                       gl.convert_layout(s, row_hi))
     # Every thread of the warpgroup has read the old LSE (each row's LSE is held by several
     # threads, one of which stores it) before any overwrites it. Inside a partition this is a
     # named barrier over the partition's 128 threads.
     gl.thread_barrier()
-    new_ok = gl.expand_dims(row_ok, 1)
-    if HEAD_DIM != BLOCK_D:
-        new_ok = new_ok & gl.expand_dims(cols < HEAD_DIM, 0)
     gl.store(o_ptrs, o, mask=new_ok)
+    if D_HI > 0:
+        gl.store(o_hi_ptrs, o_hi, mask=gl.expand_dims(row_ok_hi, 1))
     gl.store(l_ptrs, _state_lse(m, s), mask=row_ok)
+
+
+@gluon.jit
+def _merged(o, o_old, w_old, w_new, s):
+    """merge_into's weighted mean of the new (o) and old rows, weights per row."""
+    return ((o_old * gl.expand_dims(w_old, 1) + o * gl.expand_dims(w_new, 1))
+            / gl.expand_dims(gl.where(s > 0, s, 1.0), 1))
 
 
 # --------------------------------------------------------------------------- #
 # Gluon kernel: partitions
 # --------------------------------------------------------------------------- #
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, Q, K, V, q_smem, k_smem, v_smem, bars, CU_Q, CU_K,
+def _producer(q_desc, k_desc, v_desc, Q, K, V, q_smem, k_smem, v_smem, hi_smem, bars, CU_Q, CU_K,
               Q_START, K_START, stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
               stride_vb, stride_vs, stride_vh, SEQLEN_Q, SEQLEN_K, MAX_SEQLEN_Q, H_Q, GROUP,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-              BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-              VARLEN: gl.constexpr, DEVICE_DESC: gl.constexpr, Q_START_IS_TENSOR: gl.constexpr,
-              K_START_IS_TENSOR: gl.constexpr, Q_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr):
+              BLOCK_D: gl.constexpr, D_HI: gl.constexpr, NUM_STAGES: gl.constexpr,
+              CAUSAL: gl.constexpr, VARLEN: gl.constexpr, DEVICE_DESC: gl.constexpr,
+              Q_START_IS_TENSOR: gl.constexpr, K_START_IS_TENSOR: gl.constexpr,
+              Q_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr, Q_HI_LAYOUT: gl.constexpr,
+              KV_HI_LAYOUT: gl.constexpr):
     """1 warp: Q halves, then K_0, (K_{t+1}, V_t) for t < n_tiles - 1, V_{n_tiles-1}: K runs
     one tile ahead of V, as round j of the consumers needs K_{j+1} before V_j. Nothing when the
-    program has no key tile."""
+    program has no key tile. A split head loads its high columns with the same barriers."""
     q_bars, k_full, k_empty, v_full, v_empty = bars
+    q_hi, k_hi, v_hi = hi_smem
     b, h, m0, seqlen_q, seqlen_k, q_seq0, k_seq0, delta, n_full, n_tiles = _program(
         CU_Q, CU_K, Q_START, K_START, SEQLEN_Q, SEQLEN_K, MAX_SEQLEN_Q, H_Q, BLOCK_M, BLOCK_N,
         CAUSAL, VARLEN, Q_START_IS_TENSOR, K_START_IS_TENSOR)
@@ -316,37 +382,63 @@ def _producer(q_desc, k_desc, v_desc, Q, K, V, q_smem, k_smem, v_smem, bars, CU_
         qd, q_row, q_col = _rows_source(q_desc, Q, b, h, q_seq0, seqlen_q, SEQLEN_Q, stride_qb,
                                         stride_qs, stride_qh, BLOCK_M // 2, HEAD_DIM, BLOCK_D,
                                         Q_LAYOUT, DEVICE_DESC)
+        qd_hi = qd
+        if D_HI > 0:
+            qd_hi, _, _ = _rows_source(q_desc, Q + BLOCK_D, b, h, q_seq0, seqlen_q, SEQLEN_Q,
+                                       stride_qb, stride_qs, stride_qh, BLOCK_M // 2, D_HI, D_HI,
+                                       Q_HI_LAYOUT, DEVICE_DESC)
         for wg in gl.static_range(2):
-            mbarrier.expect(q_bars.index(wg), qd.block_type.nbytes)
-            tma.async_copy_global_to_shared(qd, [q_row + m0 + wg * (BLOCK_M // 2), q_col],
-                                            q_bars.index(wg), q_smem.index(wg))
+            row = q_row + m0 + wg * (BLOCK_M // 2)
+            if D_HI > 0:
+                mbarrier.expect(q_bars.index(wg),
+                                qd.block_type.nbytes + qd_hi.block_type.nbytes)
+            else:
+                mbarrier.expect(q_bars.index(wg), qd.block_type.nbytes)
+            tma.async_copy_global_to_shared(qd, [row, q_col], q_bars.index(wg), q_smem.index(wg))
+            if D_HI > 0:
+                tma.async_copy_global_to_shared(qd_hi, [row, 0], q_bars.index(wg),
+                                                q_hi.index(wg))
         kvh = h // GROUP
         kd, kv_row, kv_col = _rows_source(k_desc, K, b, kvh, k_seq0, seqlen_k, SEQLEN_K,
                                           stride_kb, stride_ks, stride_kh, BLOCK_N, HEAD_DIM,
                                           BLOCK_D, KV_LAYOUT, DEVICE_DESC)
-        _load_tile(kd, k_smem, k_full, k_empty, 0, kv_row, kv_col, BLOCK_N, NUM_STAGES)
+        kd_hi = kd
+        if D_HI > 0:
+            kd_hi, _, _ = _rows_source(k_desc, K + BLOCK_D, b, kvh, k_seq0, seqlen_k, SEQLEN_K,
+                                       stride_kb, stride_ks, stride_kh, BLOCK_N, D_HI, D_HI,
+                                       KV_HI_LAYOUT, DEVICE_DESC)
+        _load_tile(kd, k_smem, kd_hi, k_hi, k_full, k_empty, 0, kv_row, kv_col, BLOCK_N,
+                   NUM_STAGES, D_HI)
         vd, kv_row, kv_col = _rows_source(v_desc, V, b, kvh, k_seq0, seqlen_k, SEQLEN_K,
                                           stride_vb, stride_vs, stride_vh, BLOCK_N, HEAD_DIM,
                                           BLOCK_D, KV_LAYOUT, DEVICE_DESC)
+        vd_hi = vd
+        if D_HI > 0:
+            vd_hi, _, _ = _rows_source(v_desc, V + BLOCK_D, b, kvh, k_seq0, seqlen_k, SEQLEN_K,
+                                       stride_vb, stride_vs, stride_vh, BLOCK_N, D_HI, D_HI,
+                                       KV_HI_LAYOUT, DEVICE_DESC)
         for t in range(n_tiles - 1):
-            _load_tile(kd, k_smem, k_full, k_empty, t + 1, kv_row, kv_col, BLOCK_N, NUM_STAGES)
-            _load_tile(vd, v_smem, v_full, v_empty, t, kv_row, kv_col, BLOCK_N, NUM_STAGES)
-        _load_tile(vd, v_smem, v_full, v_empty, n_tiles - 1, kv_row, kv_col, BLOCK_N,
-                   NUM_STAGES)
+            _load_tile(kd, k_smem, kd_hi, k_hi, k_full, k_empty, t + 1, kv_row, kv_col, BLOCK_N,
+                       NUM_STAGES, D_HI)
+            _load_tile(vd, v_smem, vd_hi, v_hi, v_full, v_empty, t, kv_row, kv_col, BLOCK_N,
+                       NUM_STAGES, D_HI)
+        _load_tile(vd, v_smem, vd_hi, v_hi, v_full, v_empty, n_tiles - 1, kv_row, kv_col,
+                   BLOCK_N, NUM_STAGES, D_HI)
 
 
 @gluon.jit
-def _consumer(q_smem, k_smem, v_smem, bars, o_desc, O, LSE, CU_Q, CU_K, Q_START, K_START,
-              stride_ob, stride_os, stride_oh, stride_lb, stride_ls, stride_lh, qk_scale,
-              SEQLEN_Q, SEQLEN_K, MAX_SEQLEN_Q, H_Q, WG: gl.constexpr,
+def _consumer(q_smem, k_smem, v_smem, hi_smem, bars, o_desc, O, LSE, CU_Q, CU_K, Q_START,
+              K_START, stride_ob, stride_os, stride_oh, stride_lb, stride_ls, stride_lh,
+              qk_scale, SEQLEN_Q, SEQLEN_K, MAX_SEQLEN_Q, H_Q, WG: gl.constexpr,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-              BLOCK_D: gl.constexpr, NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr,
-              VARLEN: gl.constexpr, DEVICE_DESC: gl.constexpr, Q_START_IS_TENSOR: gl.constexpr,
-              K_START_IS_TENSOR: gl.constexpr, ACCUMULATE: gl.constexpr,
-              Q_LAYOUT: gl.constexpr):
+              BLOCK_D: gl.constexpr, D_HI: gl.constexpr, NUM_STAGES: gl.constexpr,
+              CAUSAL: gl.constexpr, VARLEN: gl.constexpr, DEVICE_DESC: gl.constexpr,
+              Q_START_IS_TENSOR: gl.constexpr, K_START_IS_TENSOR: gl.constexpr,
+              ACCUMULATE: gl.constexpr, Q_LAYOUT: gl.constexpr, Q_HI_LAYOUT: gl.constexpr):
     """One warpgroup: query rows WG * 64 .. WG * 64 + 63 of the program's tile."""
     ROWS: gl.constexpr = BLOCK_M // 2
     q_bars, k_full, k_empty, v_full, v_empty = bars
+    q_hi_smem, k_hi, v_hi = hi_smem
     dtype: gl.constexpr = q_smem.dtype
     b, h, m0, seqlen_q, seqlen_k, q_seq0, k_seq0, delta, n_full, n_tiles = _program(
         CU_Q, CU_K, Q_START, K_START, SEQLEN_Q, SEQLEN_K, MAX_SEQLEN_Q, H_Q, BLOCK_M, BLOCK_N,
@@ -356,13 +448,23 @@ def _consumer(q_smem, k_smem, v_smem, bars, o_desc, O, LSE, CU_Q, CU_K, Q_START,
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_D, 16])
+    # a split head's high columns: their own accumulator (unused, and a copy of o_layout, when
+    # the head is one tile)
+    o_hi_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D_HI if D_HI > 0 else BLOCK_D, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    row_o_hi: gl.constexpr = gl.SliceLayout(1, o_hi_layout)
     m_i = gl.full([ROWS], float("-inf"), gl.float32, row_s)
     l_i = gl.zeros([ROWS], gl.float32, row_s)
     acc = gl.zeros([ROWS, BLOCK_D], gl.float32, o_layout)
+    if D_HI > 0:
+        acc_hi = gl.zeros([ROWS, D_HI], gl.float32, o_hi_layout)
+    else:
+        acc_hi = acc  # carried through the rounds untouched (the loop drops it)
     q = q_smem.index(WG)
+    q_hi = q_hi_smem.index(WG)
     row0 = m0 + WG * ROWS  # this warpgroup's first row in the sequence
     if not ACCUMULATE:
         # device mode: made here, while the producer's first loads are in flight (a sequence
@@ -370,6 +472,11 @@ def _consumer(q_smem, k_smem, v_smem, bars, o_desc, O, LSE, CU_Q, CU_K, Q_START,
         od, o_row, o_col = _rows_source(o_desc, O, b, h, q_seq0, gl.maximum(seqlen_q, 1),
                                         SEQLEN_Q, stride_ob, stride_os, stride_oh, ROWS, HEAD_DIM,
                                         BLOCK_D, Q_LAYOUT, DEVICE_DESC)
+        od_hi = od
+        if D_HI > 0:
+            od_hi, _, _ = _rows_source(o_desc, O + BLOCK_D, b, h, q_seq0,
+                                       gl.maximum(seqlen_q, 1), SEQLEN_Q, stride_ob, stride_os,
+                                       stride_oh, ROWS, D_HI, D_HI, Q_HI_LAYOUT, DEVICE_DESC)
 
     if n_tiles > 0:
         s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
@@ -382,6 +489,8 @@ def _consumer(q_smem, k_smem, v_smem, bars, o_desc, O, LSE, CU_Q, CU_K, Q_START,
         mbarrier.wait(k_full.index(0), 0)
         s_tok = warpgroup_mma(q, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False,
                               is_async=True)
+        if D_HI > 0:
+            s_tok = warpgroup_mma(q_hi, k_hi.index(0).permute((1, 0)), s_tok, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok, ))
         mbarrier.arrive(k_empty.index(0), count=1)
         p, alpha, m_i, l_i = _softmax_step_masked(s, cols, row_lim, m_i, l_i, qk_scale)
@@ -389,30 +498,40 @@ def _consumer(q_smem, k_smem, v_smem, bars, o_desc, O, LSE, CU_Q, CU_K, Q_START,
 
         # ---- rounds 1 .. n_tiles - 1 (unmasked key tiles, then masked ones) ----------------
         for j in range(0, n_tiles - 1):
-            acc, p_op, alpha, m_i, l_i = _round(
+            acc, acc_hi, p_op, alpha, m_i, l_i = _round(
                 j, q, p_op, acc, alpha, m_i, l_i, qk_scale, k_smem, v_smem, k_full, k_empty,
-                v_full, v_empty, s_zero, cols, row_lim, n_full, NUM_STAGES, BLOCK_N, o_layout,
-                p_layout, dtype)
+                v_full, v_empty, s_zero, cols, row_lim, n_full, q_hi, acc_hi, k_hi, v_hi,
+                NUM_STAGES, BLOCK_N, D_HI, o_layout, o_hi_layout, p_layout, dtype)
 
         # ---- the last P V -------------------------------------------------------------------
         j = n_tiles - 1
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+        if D_HI > 0:
+            acc_hi = acc_hi * gl.expand_dims(gl.convert_layout(alpha, row_o_hi), 1)
         vs = j % NUM_STAGES
         mbarrier.wait(v_full.index(vs), (j // NUM_STAGES) & 1)
         acc_tok = warpgroup_mma(p_op, v_smem.index(vs), acc, is_async=True)
-        acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, p_op))
+        if D_HI > 0:
+            acc_hi_tok = warpgroup_mma(p_op, v_hi.index(vs), acc_hi, is_async=True)
+            acc, acc_hi, p_op = warpgroup_mma_wait(num_outstanding=0,
+                                                   deps=(acc_tok, acc_hi_tok, p_op))
+        else:
+            acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc_tok, p_op))
         mbarrier.arrive(v_empty.index(vs), count=1)
 
     # ---- epilogue: O /= l, LSE = (m + log2 l) ln 2; rows that saw no key: O = 0, LSE = -inf --
     if row0 < seqlen_q:
         l_o = gl.convert_layout(l_i, row_o)
         acc = acc / gl.expand_dims(gl.where(l_o == 0.0, 1.0, l_o), 1)
+        if D_HI > 0:
+            l_o_hi = gl.convert_layout(l_i, row_o_hi)
+            acc_hi = acc_hi / gl.expand_dims(gl.where(l_o_hi == 0.0, 1.0, l_o_hi), 1)
         lse = _row_lse(m_i, l_i)
         if ACCUMULATE:
-            _merge_into_state(acc, gl.convert_layout(lse, row_o),
+            _merge_into_state(acc, acc_hi, gl.convert_layout(lse, row_o),
                               row0 + gl.arange(0, ROWS, layout=row_o), O, LSE, b, h, seqlen_q,
                               stride_ob, stride_os, stride_oh, stride_lb, stride_ls, stride_lh,
-                              HEAD_DIM, BLOCK_D, o_layout)
+                              HEAD_DIM, BLOCK_D, D_HI, o_layout, o_hi_layout)
         else:
             rows = row0 + gl.arange(0, ROWS, layout=row_s)
             l_ptrs = (LSE + b.to(gl.int64) * stride_lb + h.to(gl.int64) * stride_lh
@@ -421,8 +540,12 @@ def _consumer(q_smem, k_smem, v_smem, bars, o_desc, O, LSE, CU_Q, CU_K, Q_START,
             # O through this warpgroup's Q half (its S GEMMs have all retired) and a TMA store;
             # rows past the sequence's end are dropped by the descriptor's bounds
             q.store(acc.to(dtype))
+            if D_HI > 0:
+                q_hi.store(acc_hi.to(dtype))
             fence_async_shared()
             tma.async_copy_shared_to_global(od, [o_row + row0, o_col], q)
+            if D_HI > 0:
+                tma.async_copy_shared_to_global(od_hi, [row0, 0], q_hi)
             tma.store_wait(pendings=0)
 
 
@@ -447,11 +570,13 @@ def _attn_fwd_hopper_kernel(
     MAX_SEQLEN_Q,             # sizes the grid: cdiv(MAX_SEQLEN_Q, BLOCK_M) query tiles per head
     H_Q, GROUP,               # query heads, Hq // Hkv
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-    BLOCK_D: gl.constexpr,    # HEAD_DIM's tile: the next power of two (device descriptors pad it)
+    BLOCK_D: gl.constexpr,    # HEAD_DIM's (first) tile (`head_tiles`; device descriptors pad it)
+    D_HI: gl.constexpr,       # a split head's second tile, columns BLOCK_D .. HEAD_DIM - 1; or 0
     NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, ACCUMULATE: gl.constexpr,
     VARLEN: gl.constexpr, DEVICE_DESC: gl.constexpr,
     Q_START_IS_TENSOR: gl.constexpr, K_START_IS_TENSOR: gl.constexpr,
     Q_LAYOUT: gl.constexpr, KV_LAYOUT: gl.constexpr,
+    Q_HI_LAYOUT: gl.constexpr, KV_HI_LAYOUT: gl.constexpr,  # D_HI's tiles (else Q/KV_LAYOUT)
     CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):
     """grid = (B * Hq * cdiv(MAX_SEQLEN_Q, BLOCK_M),), num_warps = 4 (the default partition =
@@ -459,10 +584,17 @@ def _attn_fwd_hopper_kernel(
     gl.static_assert(BLOCK_M == 128)
     # host descriptors over [B * S, H * D] would read the next head's columns into the padding
     gl.static_assert(DEVICE_DESC or HEAD_DIM == BLOCK_D)
+    gl.static_assert(D_HI == 0 or HEAD_DIM == BLOCK_D + D_HI)
     dtype: gl.constexpr = Q.dtype.element_ty
     q_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_M // 2, BLOCK_D], Q_LAYOUT)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, BLOCK_D], KV_LAYOUT)
     v_smem = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, BLOCK_D], KV_LAYOUT)
+    if D_HI > 0:
+        hi_smem = (gl.allocate_shared_memory(dtype, [2, BLOCK_M // 2, D_HI], Q_HI_LAYOUT),
+                   gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, D_HI], KV_HI_LAYOUT),
+                   gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_N, D_HI], KV_HI_LAYOUT))
+    else:
+        hi_smem = (q_smem, k_smem, v_smem)  # never read
     q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_full = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
@@ -478,22 +610,22 @@ def _attn_fwd_hopper_kernel(
     fence_async_shared()
     bars = (q_bars, k_full, k_empty, v_full, v_empty)
     gl.warp_specialize([
-        (_consumer, (q_smem, k_smem, v_smem, bars, o_desc, O, LSE, CU_Q, CU_K, Q_START, K_START,
-                     stride_ob, stride_os, stride_oh, stride_lb, stride_ls, stride_lh, qk_scale,
-                     SEQLEN_Q, SEQLEN_K, MAX_SEQLEN_Q, H_Q, 0, BLOCK_M, BLOCK_N, HEAD_DIM,
-                     BLOCK_D, NUM_STAGES, CAUSAL, VARLEN, DEVICE_DESC, Q_START_IS_TENSOR,
-                     K_START_IS_TENSOR, ACCUMULATE, Q_LAYOUT)),
-        (_consumer, (q_smem, k_smem, v_smem, bars, o_desc, O, LSE, CU_Q, CU_K, Q_START, K_START,
-                     stride_ob, stride_os, stride_oh, stride_lb, stride_ls, stride_lh, qk_scale,
-                     SEQLEN_Q, SEQLEN_K, MAX_SEQLEN_Q, H_Q, 1, BLOCK_M, BLOCK_N, HEAD_DIM,
-                     BLOCK_D, NUM_STAGES, CAUSAL, VARLEN, DEVICE_DESC, Q_START_IS_TENSOR,
-                     K_START_IS_TENSOR, ACCUMULATE, Q_LAYOUT)),
-        (_producer, (q_desc, k_desc, v_desc, Q, K, V, q_smem, k_smem, v_smem, bars, CU_Q, CU_K,
-                     Q_START, K_START, stride_qb, stride_qs, stride_qh, stride_kb, stride_ks,
-                     stride_kh, stride_vb, stride_vs, stride_vh, SEQLEN_Q, SEQLEN_K,
-                     MAX_SEQLEN_Q, H_Q, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, NUM_STAGES,
-                     CAUSAL, VARLEN, DEVICE_DESC, Q_START_IS_TENSOR, K_START_IS_TENSOR, Q_LAYOUT,
-                     KV_LAYOUT)),
+        (_consumer, (q_smem, k_smem, v_smem, hi_smem, bars, o_desc, O, LSE, CU_Q, CU_K, Q_START,
+                     K_START, stride_ob, stride_os, stride_oh, stride_lb, stride_ls, stride_lh,
+                     qk_scale, SEQLEN_Q, SEQLEN_K, MAX_SEQLEN_Q, H_Q, 0, BLOCK_M, BLOCK_N,
+                     HEAD_DIM, BLOCK_D, D_HI, NUM_STAGES, CAUSAL, VARLEN, DEVICE_DESC,
+                     Q_START_IS_TENSOR, K_START_IS_TENSOR, ACCUMULATE, Q_LAYOUT, Q_HI_LAYOUT)),
+        (_consumer, (q_smem, k_smem, v_smem, hi_smem, bars, o_desc, O, LSE, CU_Q, CU_K, Q_START,
+                     K_START, stride_ob, stride_os, stride_oh, stride_lb, stride_ls, stride_lh,
+                     qk_scale, SEQLEN_Q, SEQLEN_K, MAX_SEQLEN_Q, H_Q, 1, BLOCK_M, BLOCK_N,
+                     HEAD_DIM, BLOCK_D, D_HI, NUM_STAGES, CAUSAL, VARLEN, DEVICE_DESC,
+                     Q_START_IS_TENSOR, K_START_IS_TENSOR, ACCUMULATE, Q_LAYOUT, Q_HI_LAYOUT)),
+        (_producer, (q_desc, k_desc, v_desc, Q, K, V, q_smem, k_smem, v_smem, hi_smem, bars,
+                     CU_Q, CU_K, Q_START, K_START, stride_qb, stride_qs, stride_qh, stride_kb,
+                     stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, SEQLEN_Q, SEQLEN_K,
+                     MAX_SEQLEN_Q, H_Q, GROUP, BLOCK_M, BLOCK_N, HEAD_DIM, BLOCK_D, D_HI,
+                     NUM_STAGES, CAUSAL, VARLEN, DEVICE_DESC, Q_START_IS_TENSOR,
+                     K_START_IS_TENSOR, Q_LAYOUT, KV_LAYOUT, Q_HI_LAYOUT, KV_HI_LAYOUT)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -510,7 +642,7 @@ def descriptor_mode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, varlen: b
                for x in (q, k, v)):
         return "device"
     batch, sq, _, d = q.shape
-    if d != next_power_of_2(d):  # a padded tile would read the next head's columns
+    if d != next_power_of_2(d):  # a padded or split tile would read the next head's columns
         return "device"
     if batch == 1 or (sq % BLOCK_M == 0 and k.shape[1] % block_n(d) == 0):
         return "host"
@@ -606,9 +738,12 @@ def launch_args(
             out = None
         l_strides = lse.stride()  # [B, Sq, Hq]: (batch, seq, head)
         o_strides = o.stride()[:3]
-    bn, bd = block_n(d), next_power_of_2(d)
+    bn, (bd, d_hi) = block_n(d), head_tiles(d)
     host = mode == "host"
     q_layout, kv_layout = _smem_layout(WG_ROWS, bd, q.dtype), _smem_layout(bn, bd, q.dtype)
+    q_hi_layout, kv_hi_layout = ((_smem_layout(WG_ROWS, d_hi, q.dtype),
+                                  _smem_layout(bn, d_hi, q.dtype)) if d_hi
+                                 else (q_layout, kv_layout))
     descs = ((_rows_desc(q, WG_ROWS), _rows_desc(k, bn), _rows_desc(v, bn),
               _rows_desc(o, WG_ROWS) if accumulate is None else None) if host
              else (None, None, None, None))
@@ -616,10 +751,11 @@ def launch_args(
     args = (q, k, v, o, lse, qs, ks, cu_seqlens_q, cu_seqlens_k, *descs,
             sqb, sqs, sqh, skb, sks, skh, svb, svs, svh, *o_strides, *l_strides,
             float(softmax_scale) * _LOG2E, sq, sk, max_seqlen_q, hq, hq // hkv)
-    meta = dict(BLOCK_M=BLOCK_M, BLOCK_N=bn, HEAD_DIM=d, BLOCK_D=bd, NUM_STAGES=NUM_STAGES,
-                CAUSAL=bool(causal), ACCUMULATE=accumulate is not None, VARLEN=varlen,
-                DEVICE_DESC=not host, Q_START_IS_TENSOR=qs_t, K_START_IS_TENSOR=ks_t,
-                Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout,
+    meta = dict(BLOCK_M=BLOCK_M, BLOCK_N=bn, HEAD_DIM=d, BLOCK_D=bd, D_HI=d_hi,
+                NUM_STAGES=NUM_STAGES, CAUSAL=bool(causal), ACCUMULATE=accumulate is not None,
+                VARLEN=varlen, DEVICE_DESC=not host, Q_START_IS_TENSOR=qs_t,
+                K_START_IS_TENSOR=ks_t, Q_LAYOUT=q_layout, KV_LAYOUT=kv_layout,
+                Q_HI_LAYOUT=q_hi_layout, KV_HI_LAYOUT=kv_hi_layout,
                 CONSUMER_REGS=CONSUMER_REGS,
                 PRODUCER_REGS=PRODUCER_REGS if host else PRODUCER_REGS_DEVICE_DESC,
                 num_warps=NUM_WARPS)
@@ -697,9 +833,9 @@ def hopper_attention_fwd(
     Varlen: q [total_q, Hq, D], k/v [total_k, Hkv, D], cu_seqlens_q/k int32 [B + 1] on q's
             device, max_seqlen_q a python int >= every sequence's query length
             -> o [total_q, Hq, D], lse [total_q, Hq].
-    bf16 or fp16, D a multiple of 8 whose tile (the next power of two) is in HEAD_DIMS, on an
-    sm_90 GPU; causal: row i sees key j iff k_start + j <= q_start + i (ints or [B] int
-    tensors); rows that see no key get O = 0 and LSE = -inf.
+    bf16 or fp16, D a multiple of 8 whose tile (the next power of two) is in HEAD_DIMS (split or
+    padded: `head_tiles`), on an sm_90 GPU; causal: row i sees key j iff k_start + j <=
+    q_start + i (ints or [B] int tensors); rows that see no key get O = 0 and LSE = -inf.
 
     Only for the inputs that `longctx.kernels.prefill.hopper_kernel_applies` accepts (TMA-
     addressable rows, see the module docstring); the launch does not re-check them. mode:

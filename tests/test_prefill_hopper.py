@@ -591,17 +591,48 @@ def test_varlen_api(causal: bool) -> None:
 
 @pytest.mark.gpu
 @hopper_gpu
-@pytest.mark.parametrize("d", [64, 256, 40, 80, 96, 192])
+@pytest.mark.parametrize("d", [64, 256, 40, 80, 96, 192, 160, 48])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_head_dims(d: int, causal: bool) -> None:
-    """head_dim 64 and 256, and head_dims padded to those tiles or 128's (40, 80, 96, 192):
-    B = 1 (host descriptors for a power of two) and B = 2 ragged, offsets, varlen, GQA group 3
-    and 5; through the dispatch, which sends them all to the Gluon kernel."""
+    """head_dim 64 and 256, one padded to 64's tile (40) and the split ones (80 = 64 + 16,
+    96 = 64 + 32, 192 = 128 + 64, 160 = 128 + 32, 48 = 32 + 16): B = 1 (host descriptors for a
+    power of two) and B = 2 ragged, offsets, varlen, GQA group 3 and 5; through the dispatch,
+    which sends them all to the Gluon kernel."""
     torch.manual_seed(d + causal)
     run([1000], [1000], 6, 2, causal=causal, d=d)
     run([129, 129], [777, 777], 3, 1, causal=causal, d=d, q_start=600)
     run([1, 257, 0, 1000], [1, 257, 5, 1000], 10, 2, causal=causal, d=d, varlen=True)
     run([4000], [4000], 16, 2, causal=causal, d=d, via="api")
+
+
+@pytest.mark.gpu
+@hopper_gpu
+@pytest.mark.parametrize("d", [96, 192])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_head_dims_padded(d: int, causal: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The padded tiles at head_dims that run split by default (SPLIT_HEADS off, the A/B of
+    bench/prefill_head_split.py): B = 2 ragged with an offset, varlen."""
+    from longctx.kernels import prefill_hopper
+
+    monkeypatch.setattr(prefill_hopper, "SPLIT_HEADS", False)
+    assert prefill_hopper.head_tiles(d) == (triton.next_power_of_2(d), 0)
+    torch.manual_seed(d + 4 + causal)
+    run([129, 129], [777, 777], 3, 1, causal=causal, d=d, q_start=600)
+    run([1, 257, 0, 1000], [1, 257, 5, 1000], 10, 2, causal=causal, d=d, varlen=True)
+
+
+def test_head_tiles() -> None:
+    """Which head_dims run split and how (kernels/prefill_hopper.py `head_tiles`); in a child
+    process, as test_hopper_module_imports."""
+    pytest.importorskip("triton.experimental.gluon")
+    code = ("from longctx.kernels.prefill_hopper import head_tiles as t; "
+            "print([t(d) for d in (64, 128, 256, 192, 160, 144, 96, 80, 48, 40, 56, 112, 248)])")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == str([(64, 0), (128, 0), (256, 0), (128, 64), (128, 32),
+                                      (128, 16), (64, 32), (64, 16), (32, 16), (64, 0), (64, 0),
+                                      (128, 0), (256, 0)])
 
 
 @pytest.mark.gpu
@@ -673,10 +704,16 @@ def test_accumulate(b: int, sq: int, group: int, sk: int, dtype: torch.dtype,
 
 @pytest.mark.gpu
 @hopper_gpu
+@pytest.mark.parametrize("split", [True, False], ids=["split", "padded"])
 @pytest.mark.parametrize("d", [96, 192])
-def test_accumulate_head_dim_not_power_of_two(d: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`test_accumulate` at padded head_dims: the padding columns of a row of the state are the
-    next head's, which the fused merge must neither read nor write."""
+def test_accumulate_head_dim_not_power_of_two(d: int, split: bool,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """`test_accumulate` at head_dims that are not powers of two, split in two tiles or padded:
+    the columns past D of a row of the state are the next head's, which the fused merge must
+    neither read nor write."""
+    from longctx.kernels import prefill_hopper
+
+    monkeypatch.setattr(prefill_hopper, "SPLIT_HEADS", split)
     run_accumulate(2, 1000, 3, 777, BF16, d, monkeypatch)
 
 
