@@ -32,7 +32,7 @@ import triton.language as tl
 from longctx.backend import interpreter_active
 from longctx.kernels.launch import Launch, stream_counters, stream_scratch
 from longctx.kernels.merge import _merge_parts, merge_states_launch
-from longctx.kernels.utils import (cdiv, device_capability, device_name, device_sms,
+from longctx.kernels.utils import (cdiv, device_capability, device_name, device_sms, head_tiles,
                                    next_power_of_2, pdl_launch, pdl_wait)
 
 __all__ = ["DecodePlan", "flash_decode", "flash_decode_partials", "choose_num_splits"]
@@ -42,6 +42,10 @@ _LOG2E = 1.4426950408889634
 # with 128 heads) are split over a third grid axis to keep the fp32 accumulator
 # in registers; K/V is then re-read once per head block (still <= G/64 times).
 _MAX_BLOCK_H = 64
+# A head_dim that is not a power of two runs as two power-of-two column tiles where it can
+# (`head_tiles`: 96 = 64 + 32), except on an fp8 cache; False pads it to one tile (the A/B of
+# bench/decode_head_split.py).
+SPLIT_HEADS = True
 _INTERPRET = interpreter_active()
 
 
@@ -75,7 +79,7 @@ def _max_pair(a0, b0, a1, b1):
 def _attend_block(
     q, m_i, l_i, acc, u_v, n_start, end, k_head, v_head, bt_row, num_pages,
     b64, stride_k0, stride_k1, stride_v0, stride_v1, qk_scale,
-    ks_head, vs_head, stride_ks0, stride_ks1, stride_vs0, stride_vs1,
+    ks_head, vs_head, stride_ks0, stride_ks1, stride_vs0, stride_vs1, q_hi, acc_hi,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -84,11 +88,14 @@ def _attend_block(
     INPUT_PRECISION: tl.constexpr,
     FP8: tl.constexpr,
     FP8_WIDEN: tl.constexpr,
+    D_HI: tl.constexpr,
 ):
     """One online-softmax step over keys [n_start, n_start + BLOCK_N) clipped to `end`.
 
     q [BLOCK_H, BLOCK_D] (cache dtype); m_i, l_i [BLOCK_H] fp32 (max / sum in exp2 domain); acc
-    [BLOCK_H, BLOCK_D] fp32 un-normalised output. n_start is a multiple of BLOCK_N.
+    [BLOCK_H, BLOCK_D] fp32 un-normalised output. n_start is a multiple of BLOCK_N. A split head
+    (D_HI > 0, `head_tiles`): q_hi [BLOCK_H, D_HI] and acc_hi are columns BLOCK_D .. HEAD_DIM - 1,
+    a second dot into the scores and one more into acc_hi (else both are passed through).
 
     FP8: K and V are e4m3 with a float32 scale per key (ks_head / vs_head). The tiles are widened
     to q's dtype (`_widen_e4m3`): float32, or float16 for a half-precision q (which comes scaled to
@@ -103,7 +110,7 @@ def _attend_block(
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = n_start + offs_n0
     n_mask = offs_n < end
-    if HEAD_DIM == BLOCK_D:
+    if HEAD_DIM == BLOCK_D + D_HI:
         kv_mask = n_mask[:, None]
     else:  # padded head_dim: its columns read as 0 (no bytes moved), so they add 0 to q.k
         kv_mask = n_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
@@ -142,6 +149,12 @@ def _attend_block(
         v = _widen_e4m3(v, FP8_WIDEN, q.dtype)
         k_sc = tl.load(ks_head + ks_rows, mask=n_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * (k_sc * qk_scale)[None, :]
+    elif D_HI > 0:
+        offs_dh = BLOCK_D + tl.arange(0, D_HI)
+        k_hi = tl.load(k_head + k_rows[:, None] + offs_dh[None, :], mask=n_mask[:, None],
+                       other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
+        s = tl.dot(q_hi, tl.trans(k_hi), s, input_precision=INPUT_PRECISION) * qk_scale
     else:
         s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale  # [BLOCK_H, BLOCK_N]
     s = tl.where(n_mask[None, :], s, float("-inf"))
@@ -168,7 +181,12 @@ def _attend_block(
         alpha = alpha * (u_v * inv_u)
         u_v = u_new
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
-    return m_new, l_i, acc, u_v
+    if D_HI > 0:
+        v_hi = tl.load(v_head + v_rows[:, None] + offs_dh[None, :], mask=n_mask[:, None],
+                       other=0.0)
+        acc_hi = acc_hi * alpha[:, None] + tl.dot(p.to(v.dtype), v_hi,
+                                                  input_precision=INPUT_PRECISION)
+    return m_new, l_i, acc, u_v, acc_hi
 
 
 @triton.jit
@@ -213,7 +231,9 @@ def _decode_split_kernel(
     KV_STRIDES_8: tl.constexpr = False,  # K/V strides are multiples of 8 (only told if D % 16)
     FP8: tl.constexpr = False,  # e4m3 K/V with float32 scales per (key, KV head)
     FP8_WIDEN: tl.constexpr = False,  # FP8: tiles widened by cvt (`_widen_e4m3`)
+    D_HI: tl.constexpr = 0,  # a split head's second tile (`head_tiles`): BLOCK_D + D_HI = HEAD_DIM
 ):
+    tl.static_assert(not (FP8 and D_HI > 0))  # an fp8 cache widens and scales whole tiles
     pdl_wait(USE_PDL)  # q and the newest K/V come from the kernels before
     split = tl.program_id(0)
     bh = tl.program_id(1)
@@ -225,7 +245,7 @@ def _decode_split_kernel(
     offs_h = hblk * BLOCK_H + tl.arange(0, BLOCK_H)  # index within the GQA group
     offs_d = tl.arange(0, BLOCK_D)
     h_mask = offs_h < GROUP
-    if HEAD_DIM == BLOCK_D:
+    if HEAD_DIM == BLOCK_D + D_HI:
         hd_mask = h_mask[:, None]
     else:
         hd_mask = h_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
@@ -264,6 +284,12 @@ def _decode_split_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    q_hi, acc_hi = q, acc  # no second tile: passed through the blocks untouched
+    if D_HI > 0:
+        offs_dh = BLOCK_D + tl.arange(0, D_HI)
+        q_hi = tl.load(Q + b64 * stride_qb + q_head[:, None].to(tl.int64) * stride_qh
+                       + offs_dh[None, :], mask=h_mask[:, None], other=0.0).to(K.dtype.element_ty)
+        acc_hi = tl.zeros([BLOCK_H, D_HI], dtype=tl.float32)
     u_v = tl.zeros([BLOCK_H], tl.float32)  # FP8: acc's unit, the largest V scale so far
 
     if KV_STRIDES_8:
@@ -284,20 +310,22 @@ def _decode_split_kernel(
         # which the compiler can software-pipeline (num_stages).
         n_start = start
         while n_start < end:
-            m_i, l_i, acc, u_v = _attend_block(
+            m_i, l_i, acc, u_v, acc_hi = _attend_block(
                 q, m_i, l_i, acc, u_v, n_start, end, k_head, v_head, bt_row, num_pages,
                 b64, stride_k0, stride_k1, stride_v0, stride_v1, qk_scale,
-                ks_head, vs_head, stride_ks0, stride_ks1, stride_vs0, stride_vs1,
-                HEAD_DIM, BLOCK_D, BLOCK_N, PAGED, PAGE_SIZE, INPUT_PRECISION, FP8, FP8_WIDEN)
+                ks_head, vs_head, stride_ks0, stride_ks1, stride_vs0, stride_vs1, q_hi, acc_hi,
+                HEAD_DIM, BLOCK_D, BLOCK_N, PAGED, PAGE_SIZE, INPUT_PRECISION, FP8, FP8_WIDEN,
+                D_HI)
             n_start += BLOCK_N
     else:
         for it in range(start, end, BLOCK_N):
-            m_i, l_i, acc, u_v = _attend_block(
+            m_i, l_i, acc, u_v, acc_hi = _attend_block(
                 q, m_i, l_i, acc, u_v, tl.multiple_of(it, BLOCK_N), end, k_head, v_head, bt_row,
                 num_pages,
                 b64, stride_k0, stride_k1, stride_v0, stride_v1, qk_scale,
-                ks_head, vs_head, stride_ks0, stride_ks1, stride_vs0, stride_vs1,
-                HEAD_DIM, BLOCK_D, BLOCK_N, PAGED, PAGE_SIZE, INPUT_PRECISION, FP8, FP8_WIDEN)
+                ks_head, vs_head, stride_ks0, stride_ks1, stride_vs0, stride_vs1, q_hi, acc_hi,
+                HEAD_DIM, BLOCK_D, BLOCK_N, PAGED, PAGE_SIZE, INPUT_PRECISION, FP8, FP8_WIDEN,
+                D_HI)
 
     # ---- normalised partial output + natural-log LSE ----
     empty = l_i == 0.0
@@ -314,6 +342,11 @@ def _decode_split_kernel(
     o_ptrs = (O_PART + split64 * stride_os + b64 * stride_ob
               + q_head[:, None].to(tl.int64) * stride_oh + offs_d[None, :])
     tl.store(o_ptrs, o.to(O_PART.dtype.element_ty), mask=hd_mask)
+    if D_HI > 0:
+        o_hi = tl.where(len_ok, acc_hi / l_safe[:, None], float("nan"))
+        o_hi_ptrs = (O_PART + split64 * stride_os + b64 * stride_ob
+                     + q_head[:, None].to(tl.int64) * stride_oh + offs_dh[None, :])
+        tl.store(o_hi_ptrs, o_hi.to(O_PART.dtype.element_ty), mask=h_mask[:, None])
     lse_ptrs = LSE_PART + split64 * stride_ls + b64 * stride_lb + q_head
     tl.store(lse_ptrs, lse, mask=h_mask)
 
@@ -341,12 +374,21 @@ def _decode_split_kernel(
             lse_m = tl.where(len_ok, lse_m, float("nan"))
             out_ptrs = (O + b64 * stride_out_b + heads[:, None].to(tl.int64) * stride_out_h
                       + offs_d[None, :])
-            if HEAD_DIM == BLOCK_D:
+            if HEAD_DIM == BLOCK_D + D_HI:
                 out_mask = r_mask[:, None]
             else:
                 out_mask = r_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
             tl.store(out_ptrs, o_m.to(O.dtype.element_ty), mask=out_mask)
             tl.store(LSE + b64 * stride_lse_b + heads, lse_m, mask=r_mask)
+            if D_HI > 0:  # the second tile's columns, merged with the same weights
+                o_m, _ = _merge_parts(
+                    O_PART + b64 * stride_ob + head0.to(tl.int64) * stride_oh,
+                    LSE_PART + b64 * stride_lb + head0, num_splits, stride_os, stride_oh,
+                    stride_ls, rows, r_mask, offs_dh, offs_dh < HEAD_DIM, MERGE_P)
+                o_m = tl.where(len_ok, o_m, float("nan"))
+                out_ptrs = (O + b64 * stride_out_b + heads[:, None].to(tl.int64) * stride_out_h
+                            + offs_dh[None, :])
+                tl.store(out_ptrs, o_m.to(O.dtype.element_ty), mask=r_mask[:, None])
 
 
 def _launch_config(head_dim: int, dtype: torch.dtype, block_h: int, keys_per_split: int,
@@ -364,8 +406,9 @@ def _launch_config(head_dim: int, dtype: torch.dtype, block_h: int, keys_per_spl
     0.3-1.2 µs). Every GPU named H100 gets the H100's choice, every other one the H200's.
     Other cases were chosen from offline sm_90 compiles (no spills): fp32 ("ieee" dot on FMA
     units) needs small key blocks and 8 warps. A head_dim that is not a power of two takes the
-    choice of its tile (the next power of two): the registers and the tensor-core work are the
-    tile's.
+    choice of its tile (the next power of two), split in two or padded (`head_tiles`): swept
+    with the split at 96 and 192 on an H100 (bench/results/tune-decode-d{96,192}-split-h100.txt)
+    no other config was more than 2% faster.
     """
     d = next_power_of_2(head_dim)
     if fp8 and dtype == torch.float16 and d == 128 and block_h * d < 64 * 128:
@@ -422,13 +465,14 @@ def _split_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     sl_dtype = q.dtype if cache_seqlens is None else cache_seqlens.dtype
     group = Hq // Hkv
     block_h = _block_h(group)
-    block_d = next_power_of_2(D)
     keys = cdiv(capacity, num_splits)
     fp8 = k_scale is not None
     # The dtype the dots run in: the cache's; for an fp8 cache float32 with a float32 q, else
     # float16 (the kernel's `_widen_e4m3`).
     compute = (k_cache.dtype if not fp8
                else torch.float32 if q.dtype == torch.float32 else torch.float16)
+    # an fp8 cache keeps one padded tile (its path widens and scales whole tiles)
+    block_d, d_hi = head_tiles(D, SPLIT_HEADS and not fp8)
     # cvt.rn.f16x2.e4m3x2 needs sm_89+ (so does Triton's own e4m3); the interpreter converts itself.
     widen = (fp8 and not _INTERPRET and compute == torch.float16
              and (device_capability(q.device) or (0, 0)) >= (8, 9))
@@ -468,7 +512,7 @@ def _split_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              PAGED=paged, PAGE_SIZE=page_size, INPUT_PRECISION=precision,
              INTERPRET_LOOP=_INTERPRET,
              HAS_SEQLENS=cache_seqlens is not None, **merge, KV_STRIDES_8=kv_strides_8, FP8=fp8,
-             FP8_WIDEN=widen,
+             FP8_WIDEN=widen, D_HI=d_hi,
              num_warps=num_warps,
              num_stages=num_stages, **pdl_launch(q.device)))
 

@@ -77,7 +77,8 @@ two, so another head_dim D runs one of two ways (`head_tiles`):
     own device descriptor, shared-memory buffers and TMA loads (one barrier per tile counts
     both); S = Q K^T is two wgmmas (the second accumulating), O += P V two wgmmas into two
     accumulators. No padding: the tensor cores do D's work. Measured against the padded tile
-    (bench/prefill_head_split.py, H100): 1.04-1.07x at 96, 1.15-1.32x at 192, 1.28-1.44x at 160.
+    (bench/prefill_head_split.py, H100): 1.08-1.09x at 96, 1.14-1.25x at 192, 1.15-1.16x at 80,
+    1.25-1.39x at 160.
   * padded (40, 56, 72, 88, ...: the rest is not a power of two >= 16): the tile of BLOCK_D = the
     next power of two; the device descriptors span the head's D columns, so TMA zero-fills
     columns D .. BLOCK_D - 1 of Q, K and V in shared memory (they add 0 to Q K^T and give O
@@ -123,7 +124,7 @@ from longctx.kernels.prefill_tiles import (
     _softmax_step,
     _softmax_step_masked,
 )
-from longctx.kernels.utils import next_power_of_2
+from longctx.kernels.utils import head_tiles as _head_tiles, next_power_of_2
 
 __all__ = ["hopper_attention_fwd", "HEAD_DIMS"]
 
@@ -144,16 +145,9 @@ _GL_DTYPE = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
 def head_tiles(head_dim: int) -> tuple[int, int]:
-    """(BLOCK_D, D_HI): the head's columns as the kernel tiles them. A power of two is one tile
-    (D_HI = 0). Any other head_dim whose rest above the largest power of two below it is a power
-    of two >= 16 (wgmma's K step) runs as those two tiles: 192 = 128 + 64, 160 = 128 + 32,
-    96 = 64 + 32, 80 = 64 + 16, 48 = 32 + 16 (no padding). The rest (40, 56, 72, 88, 104, ...)
-    run one tile of the next power of two, padded (D_HI = 0), as all do if SPLIT_HEADS is off."""
-    tile = next_power_of_2(head_dim)
-    rest = head_dim - tile // 2
-    if SPLIT_HEADS and tile != head_dim and rest >= 16 and rest == next_power_of_2(rest):
-        return tile // 2, rest
-    return tile, 0
+    """(BLOCK_D, D_HI) of head_dim: `kernels.utils.head_tiles`, split unless SPLIT_HEADS is off
+    (192 = 128 + 64 runs two tiles; 40 the padded tile of 64)."""
+    return _head_tiles(head_dim, SPLIT_HEADS)
 
 
 def block_n(head_dim: int) -> int:

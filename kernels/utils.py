@@ -23,6 +23,20 @@ def next_power_of_2(n: int) -> int:
     return n if n <= 1 else 1 << (n - 1).bit_length()
 
 
+def head_tiles(head_dim: int, split: bool = True) -> tuple[int, int]:
+    """(BLOCK_D, D_HI): a head's columns as the attention kernels tile them (Gluon tensors and
+    Triton blocks are powers of two). A power of two is one tile (D_HI = 0). With `split`, a
+    head_dim whose rest above the largest power of two below it is a power of two >= 16 (an MMA's
+    K step) runs as those two tiles: 192 = 128 + 64, 160 = 128 + 32, 96 = 64 + 32, 80 = 64 + 16,
+    48 = 32 + 16 (no padding); any other (40, 56, 72, 88, ...) as one tile of the next power of
+    two whose columns past head_dim are zero (D_HI = 0)."""
+    tile = next_power_of_2(head_dim)
+    rest = head_dim - tile // 2
+    if split and tile != head_dim and rest >= 16 and rest == next_power_of_2(rest):
+        return tile // 2, rest
+    return tile, 0
+
+
 @functools.lru_cache(maxsize=None)
 def num_sms(device_index: int) -> int:
     """Streaming multiprocessors of a CUDA device (cached; no sync)."""

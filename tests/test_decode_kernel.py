@@ -12,6 +12,7 @@ import pytest
 import torch
 import triton
 
+import longctx.kernels.decode as decode_mod
 import longctx.kernels.utils as kernel_utils
 from longctx import merge_states
 from longctx.kernels.decode import (
@@ -200,8 +201,9 @@ def test_fused_merge(case, num_splits, dtype):
     run_fused_merge(case, num_splits, dtype)
 
 
-# head_dims that are not powers of two: tiles of the next one, the padding columns masked.
-# (seqlens, Hkv, G, D, page size or None); GQA 5 and 3, empty and 1-key sequences.
+# head_dims that are not powers of two: two power-of-two column tiles where they split (96, 80,
+# 192: kernels.utils.head_tiles), else the tile of the next one with its padding columns masked
+# (40, 72). (seqlens, Hkv, G, D, page size or None); GQA 5 and 3, empty and 1-key sequences.
 ODD_HEAD_DIM_CASES = [
     ([100, 0, 1], 1, 5, 96, None),
     ([17, 40], 2, 3, 40, None),
@@ -231,6 +233,31 @@ def test_head_dim_not_power_of_two(case, num_splits, dtype):
         k, v, bt = make_paged(k_log, v_log, ps, gen)
         check(q, k, v, seqlens, bt, D ** -0.5, num_splits, gather_logical(k, bt, S),
               gather_logical(v, bt, S), dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.interpreter
+@pytest.mark.parametrize("case", [ODD_HEAD_DIM_CASES[0], ODD_HEAD_DIM_CASES[3]],
+                         ids=lambda c: f"L{c[0]}-hkv{c[1]}-g{c[2]}-d{c[3]}-ps{c[4]}")
+def test_head_dim_padded_tile(case, monkeypatch):
+    """Head_dims that split by default (96, 192), on the padded tile (SPLIT_HEADS off: the A/B
+    of bench/decode_head_split.py), fp16, 6 splits, fused merge too."""
+    lens, Hkv, G, D, ps = case
+    gen = torch.Generator().manual_seed(hash((tuple(lens), D, "padded")) % 2**31)
+    B, S = len(lens), max(lens) + 3
+    q, k_log, v_log = make_inputs(B, Hkv, G, D, S, torch.float16, gen)
+    seqlens = torch.tensor(lens, dtype=torch.int32)
+    for split, tiles in ((True, (D // 3 * 2, D // 3)), (False, (triton.next_power_of_2(D), 0))):
+        monkeypatch.setattr(decode_mod, "SPLIT_HEADS", split)
+        launch = _split_launch(q, k_log, v_log, seqlens, None, 1.0, 6, torch.float32)
+        assert (launch.kwargs["BLOCK_D"], launch.kwargs["D_HI"]) == tiles
+    if ps is None:
+        check(q, k_log, v_log, seqlens, None, D ** -0.5, 6, k_log, v_log, torch.float16)
+    else:
+        k, v, bt = make_paged(k_log, v_log, ps, gen)
+        check(q, k, v, seqlens, bt, D ** -0.5, 6, gather_logical(k, bt, S),
+              gather_logical(v, bt, S), torch.float16)
+    run_fused_merge(case, 5, torch.float16)
 
 
 @pytest.mark.gpu
