@@ -128,6 +128,12 @@ from longctx.kernels.utils import head_tiles as _head_tiles, next_power_of_2
 
 __all__ = ["hopper_attention_fwd", "HEAD_DIMS"]
 
+# Triton 3.9 renamed Gluon's TMA copies and the CTA barrier (3.6 has only the old names, 3.9
+# only the new ones); bench/compile_prefill_hopper.py compiles the kernel with either
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+_tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+_cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+
 _LOG2E = 1.4426950408889634
 BLOCK_M = 128       # query rows per program
 WG_ROWS = 64        # query rows per consumer warpgroup
@@ -236,10 +242,10 @@ def _load_tile(desc, smem, desc_hi, smem_hi, full, empty, t, row0, col, BLOCK_N:
         mbarrier.expect(full.index(slot), desc.block_type.nbytes + desc_hi.block_type.nbytes)
     else:
         mbarrier.expect(full.index(slot), desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(desc, [row0 + t * BLOCK_N, col], full.index(slot),
+    _tma_load(desc, [row0 + t * BLOCK_N, col], full.index(slot),
                                     smem.index(slot))
     if D_HI > 0:
-        tma.async_copy_global_to_shared(desc_hi, [t * BLOCK_N, 0], full.index(slot),
+        _tma_load(desc_hi, [t * BLOCK_N, 0], full.index(slot),
                                         smem_hi.index(slot))
 
 
@@ -335,7 +341,7 @@ def _merge_into_state(o, o_hi, lse, rows, O_ACC, LSE_ACC, b, h, seqlen_q, stride
     # Every thread of the warpgroup has read the old LSE (each row's LSE is held by several
     # threads, one of which stores it) before any overwrites it. Inside a partition this is a
     # named barrier over the partition's 128 threads.
-    gl.thread_barrier()
+    _cta_barrier()
     gl.store(o_ptrs, o, mask=new_ok)
     if D_HI > 0:
         gl.store(o_hi_ptrs, o_hi, mask=gl.expand_dims(row_ok_hi, 1))
@@ -388,9 +394,9 @@ def _producer(q_desc, k_desc, v_desc, Q, K, V, q_smem, k_smem, v_smem, hi_smem, 
                                 qd.block_type.nbytes + qd_hi.block_type.nbytes)
             else:
                 mbarrier.expect(q_bars.index(wg), qd.block_type.nbytes)
-            tma.async_copy_global_to_shared(qd, [row, q_col], q_bars.index(wg), q_smem.index(wg))
+            _tma_load(qd, [row, q_col], q_bars.index(wg), q_smem.index(wg))
             if D_HI > 0:
-                tma.async_copy_global_to_shared(qd_hi, [row, 0], q_bars.index(wg),
+                _tma_load(qd_hi, [row, 0], q_bars.index(wg),
                                                 q_hi.index(wg))
         kvh = h // GROUP
         kd, kv_row, kv_col = _rows_source(k_desc, K, b, kvh, k_seq0, seqlen_k, SEQLEN_K,
@@ -537,9 +543,9 @@ def _consumer(q_smem, k_smem, v_smem, hi_smem, bars, o_desc, O, LSE, CU_Q, CU_K,
             if D_HI > 0:
                 q_hi.store(acc_hi.to(dtype))
             fence_async_shared()
-            tma.async_copy_shared_to_global(od, [o_row + row0, o_col], q)
+            _tma_store(od, [o_row + row0, o_col], q)
             if D_HI > 0:
-                tma.async_copy_shared_to_global(od_hi, [row0, 0], q_hi)
+                _tma_store(od_hi, [row0, 0], q_hi)
             tma.store_wait(pendings=0)
 
 

@@ -14,6 +14,7 @@ import itertools
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -619,6 +620,22 @@ def test_head_dims_padded(d: int, causal: bool, monkeypatch: pytest.MonkeyPatch)
     torch.manual_seed(d + 4 + causal)
     run([129, 129], [777, 777], 3, 1, causal=causal, d=d, q_start=600)
     run([1, 257, 0, 1000], [1, 257, 5, 1000], 10, 2, causal=causal, d=d, varlen=True)
+
+
+@pytest.mark.parametrize("name", ["bf16 D=128 causal out B=1 16/2 Sq=8192",
+                                  "bf16 D=192 causal acc B=2 16/2 Sq=4000"])
+def test_gluon_kernel_compiles_for_sm90(name: str) -> None:
+    """The Gluon kernel compiled offline for sm_90 with this Triton (bench/compile_prefill_hopper.py:
+    no spills, no wgmma serialization, registers within each partition's limit), no GPU needed:
+    what keeps a Triton whose Gluon API moved (3.9 renamed the TMA copies) from breaking the
+    kernel unseen. One host-descriptor and one split-head accumulate variant; in a child process,
+    as test_hopper_module_imports."""
+    pytest.importorskip("triton.experimental.gluon")
+    script = Path(__file__).resolve().parents[1] / "bench" / "compile_prefill_hopper.py"
+    run = subprocess.run([sys.executable, str(script), "-k", name, "-j", "1"],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    assert " ok" in run.stdout and "1 launches" in run.stdout, run.stdout
 
 
 def test_head_tiles() -> None:
