@@ -69,7 +69,8 @@ def main() -> None:
             for name, split in VARIANTS.items():
                 D.SPLIT_HEADS = split  # read when the launch is built: at capture
                 try:
-                    fn = lambda: D.flash_decode(q, k, v, lens, None, d ** -0.5, splits)[0]  # noqa: E731
+                    def fn():
+                        return D.flash_decode(q, k, v, lens, None, d ** -0.5, splits)[0]
                     err = (fn().float() - ref).abs().max().item()
                     if err > 2 * err_cudnn + 1e-6:
                         raise SystemExit(f"D={d} {b} x {n} {name}: error {err:.2e}, "

@@ -242,11 +242,9 @@ def _load_tile(desc, smem, desc_hi, smem_hi, full, empty, t, row0, col, BLOCK_N:
         mbarrier.expect(full.index(slot), desc.block_type.nbytes + desc_hi.block_type.nbytes)
     else:
         mbarrier.expect(full.index(slot), desc.block_type.nbytes)
-    _tma_load(desc, [row0 + t * BLOCK_N, col], full.index(slot),
-                                    smem.index(slot))
+    _tma_load(desc, [row0 + t * BLOCK_N, col], full.index(slot), smem.index(slot))
     if D_HI > 0:
-        _tma_load(desc_hi, [t * BLOCK_N, 0], full.index(slot),
-                                        smem_hi.index(slot))
+        _tma_load(desc_hi, [t * BLOCK_N, 0], full.index(slot), smem_hi.index(slot))
 
 
 @gluon.jit
@@ -396,8 +394,7 @@ def _producer(q_desc, k_desc, v_desc, Q, K, V, q_smem, k_smem, v_smem, hi_smem, 
                 mbarrier.expect(q_bars.index(wg), qd.block_type.nbytes)
             _tma_load(qd, [row, q_col], q_bars.index(wg), q_smem.index(wg))
             if D_HI > 0:
-                _tma_load(qd_hi, [row, 0], q_bars.index(wg),
-                                                q_hi.index(wg))
+                _tma_load(qd_hi, [row, 0], q_bars.index(wg), q_hi.index(wg))
         kvh = h // GROUP
         kd, kv_row, kv_col = _rows_source(k_desc, K, b, kvh, k_seq0, seqlen_k, SEQLEN_K,
                                           stride_kb, stride_ks, stride_kh, BLOCK_N, HEAD_DIM,

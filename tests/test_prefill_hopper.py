@@ -625,10 +625,10 @@ def test_head_dims_padded(d: int, causal: bool, monkeypatch: pytest.MonkeyPatch)
 @pytest.mark.parametrize("name", ["bf16 D=128 causal out B=1 16/2 Sq=8192",
                                   "bf16 D=192 causal acc B=2 16/2 Sq=4000"])
 def test_gluon_kernel_compiles_for_sm90(name: str) -> None:
-    """The Gluon kernel compiled offline for sm_90 with this Triton (bench/compile_prefill_hopper.py:
-    no spills, no wgmma serialization, registers within each partition's limit), no GPU needed:
-    what keeps a Triton whose Gluon API moved (3.9 renamed the TMA copies) from breaking the
-    kernel unseen. One host-descriptor and one split-head accumulate variant; in a child process,
+    """The Gluon kernel compiled offline for sm_90 with this Triton, no GPU needed
+    (bench/compile_prefill_hopper.py: no spills, no wgmma serialization, registers within each
+    partition's limit): what keeps a Triton whose Gluon API moved (3.9 renamed the TMA copies)
+    from breaking the kernel unseen. One host-descriptor and one split-head accumulate variant; in a child process,
     as test_hopper_module_imports."""
     pytest.importorskip("triton.experimental.gluon")
     script = Path(__file__).resolve().parents[1] / "bench" / "compile_prefill_hopper.py"
