@@ -126,14 +126,12 @@ def _push_all_reduce_kernel(
         rank, N, slot, eps,
         WORLD: tl.constexpr, BLOCK: tl.constexpr, IDT: tl.constexpr, MARK: tl.constexpr,
         HAS_NORM: tl.constexpr, PUSHED: tl.constexpr, USE_PDL: tl.constexpr,
-        WORLD_P2: tl.constexpr, EARLY: tl.constexpr):
+        WORLD_P2: tl.constexpr):
     # One program per row of the message [M, N]. Without HAS_NORM: Y = sum over ranks of X.
     # With HAS_NORM: s = sum (rounded to the dtype, as an all-reduce returns it), S = R + s
     # (rounded: the new residual), Y = rms_norm(S) * NW, as longctx.ops.rms_norm rounds.
     # PUSHED: the producer of X already pushed it (kernels/gemv.py), X is not read.
     row = tl.program_id(0)
-    if USE_PDL and PUSHED and EARLY:
-        tl.extra.cuda.gdc_launch_dependents()
     offs = tl.arange(0, BLOCK)
     mask = offs < N
     if USE_PDL and not PUSHED:
@@ -177,8 +175,7 @@ def _push_all_reduce_kernel(
         # Every rank's GEMV has pushed: this one is ending. Wait for it before writing
         # (memory it may still read), then let the next GEMV launch.
         tl.extra.cuda.gdc_wait()
-        if not EARLY:
-            tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_launch_dependents()
     total = acc.to(Y.dtype.element_ty)
     if HAS_NORM:
         r = tl.load(R + row.to(tl.int64) * stride_r + offs, mask=mask, other=0.0)
@@ -193,9 +190,6 @@ def _push_all_reduce_kernel(
         tl.store(FLAGS + 2, 0)
         tl.store(FLAGS + 1, tl.num_programs(0) * N)
         tl.store(FLAGS, count + 1)
-
-
-EARLY = False  # experiment
 
 
 def push_all_reduce(x: torch.Tensor, bufs: PushBuffers, *, residual: torch.Tensor | None = None,
@@ -223,6 +217,6 @@ def push_all_reduce(x: torch.Tensor, bufs: PushBuffers, *, residual: torch.Tenso
         x, x.stride(0), r, r.stride(0), s, s.stride(0), norm_weight if has_norm else x, out,
         out.stride(0), bufs.buf, bufs.peers, bufs.flags, bufs.rank, N, bufs.slot, eps,
         BLOCK=BLOCK, **push_constexprs(x.dtype, bufs.peers.numel()), HAS_NORM=has_norm,
-        PUSHED=pushed, WORLD_P2=next_power_of_2(bufs.peers.numel()), EARLY=EARLY,
+        PUSHED=pushed, WORLD_P2=next_power_of_2(bufs.peers.numel()),
         num_warps=min(16, max(4, BLOCK // 512)), **pdl_launch(x.device))
     return (s, out) if has_norm else out

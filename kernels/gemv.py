@@ -14,8 +14,7 @@ import triton
 import triton.language as tl
 
 from longctx.kernels.allreduce import PushBuffers, push_constexprs, push_message
-from longctx.kernels.utils import (L2Prefetch, cdiv, next_power_of_2, pdl_launch, pdl_wait,
-                                   prefetch_args, prefetch_l2, prefetch_supported)
+from longctx.kernels.utils import cdiv, next_power_of_2, pdl_launch, pdl_wait
 
 
 @triton.jit
@@ -34,52 +33,23 @@ def _load_x(X, ks, K, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _weight_rows(j, N, GATED: tl.constexpr, BLOCK_N: tl.constexpr):
-    # The weight rows of this program's outputs j in [0, BLOCK_N) (see _gemv_kernel).
-    if GATED:
-        n_out = N // 2
-        offs_o = tl.program_id(0) * (BLOCK_N // 2) + j // 2
-        rows = tl.minimum(offs_o, n_out - 1) + (j % 2) * n_out
-    else:
-        # Rows past N read row N-1 (in bounds, discarded at the store): no mask on hot loads.
-        rows = tl.minimum(tl.program_id(0) * BLOCK_N + j, N - 1)
-    return rows
-
-
-@triton.jit
-def _prefetch_own_rows(W, N, K, stride_wn, GATED: tl.constexpr, BLOCK_N: tl.constexpr,
-                       THREADS: tl.constexpr, CHUNKS: tl.constexpr, CHUNK_K: tl.constexpr):
-    # One cp.async.bulk L2 prefetch per thread: chunk c of row j of this program's rows, for
-    # thread i = j * CHUNKS + c (one element per thread, so no thread repeats another's).
-    i = tl.arange(0, THREADS)
-    j = i // CHUNKS
-    start = (i % CHUNKS) * CHUNK_K
-    row = _weight_rows(j, N, GATED, BLOCK_N).to(tl.int64) * stride_wn
-    nbytes = tl.minimum(K - start, CHUNK_K) * W.dtype.element_ty.primitive_bitwidth // 8
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $2, 0; "
-        "@p cp.async.bulk.prefetch.L2.global [$1], $3; mov.u32 $0, 0; }",
-        "=r,l,r,r", [W + row + start, ((j < BLOCK_N) & (start < K)).to(tl.int32), nbytes],
-        dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _gemv_kernel(X, W, Y, BIAS, N, K, stride_wn, BUF, PEERS, FLAGS, rank, slot,
-                 PF_A, PF_B, pf_na, pf_nb, pf_parts, pf_own,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                  GATED: tl.constexpr, HAS_BIAS: tl.constexpr, PUSH: tl.constexpr,
                  WORLD: tl.constexpr, IDT: tl.constexpr, MARK: tl.constexpr,
-                 PREFETCH: tl.constexpr, PF_CHUNK: tl.constexpr, PF_THREADS: tl.constexpr,
-                 PF_OWN: tl.constexpr, PF_CHUNKS: tl.constexpr, PF_CHUNK_K: tl.constexpr,
                  USE_PDL: tl.constexpr):
     # GATED: W stacks gate rows [0, N/2) over up rows [N/2, N) and Y gets silu(gate) * up
     # [N/2]. Each program then takes BLOCK_N/2 outputs, interleaving their gate and up rows.
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    if PF_OWN:
-        if tl.program_id(0) < pf_own:
-            _prefetch_own_rows(W, N, K, stride_wn, GATED, BLOCK_N, PF_THREADS, PF_CHUNKS,
-                               PF_CHUNK_K)
-    rows = _weight_rows(tl.arange(0, BLOCK_N), N, GATED, BLOCK_N).to(tl.int64) * stride_wn
+    if GATED:
+        n_out = N // 2
+        j = tl.arange(0, BLOCK_N)
+        offs_o = tl.program_id(0) * (BLOCK_N // 2) + j // 2
+        rows = tl.minimum(offs_o, n_out - 1) + (j % 2) * n_out
+    else:
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        # Rows past N read row N-1 (in bounds, discarded at the store): no mask on hot loads.
+        rows = tl.minimum(offs_n, N - 1)
+    rows = rows.to(tl.int64) * stride_wn
     offs_k = tl.arange(0, BLOCK_K)
     # No kernel writes the weights: the first tile's load is issued before the PDL wait, so it
     # overlaps the previous kernel's tail; x comes from that kernel and is read after.
@@ -99,7 +69,7 @@ def _gemv_kernel(X, W, Y, BIAS, N, K, stride_wn, BUF, PEERS, FLAGS, rank, slot,
         g = g.to(tl.float32)
         a = (g / (1.0 + tl.exp(-g))).to(Y.dtype.element_ty).to(tl.float32)
         offs_o = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        tl.store(Y + offs_o, (a * u.to(tl.float32)).to(Y.dtype.element_ty), mask=offs_o < N // 2)
+        tl.store(Y + offs_o, (a * u.to(tl.float32)).to(Y.dtype.element_ty), mask=offs_o < n_out)
     else:
         tl.store(Y + offs_n, y, mask=offs_n < N)
         if PUSH:
@@ -107,12 +77,6 @@ def _gemv_kernel(X, W, Y, BIAS, N, K, stride_wn, BUF, PEERS, FLAGS, rank, slot,
             # (kernels/allreduce.py), so the reduction need not wait for this kernel to end.
             rnd = tl.load(FLAGS, volatile=True) % 3
             push_message(BUF, PEERS, rnd, y, offs_n, offs_n < N, rank, slot, WORLD, IDT, MARK)
-    if PREFETCH:
-        prefetch_l2(PF_A, PF_B, pf_na, pf_nb, pf_parts, PF_THREADS, PF_CHUNK)
-
-
-OWN_PROGRAMS = 0   # experiment: programs that prefetch their own rows (-1: all)
-OWN_CHUNK = 4096
 
 
 def gemv_config(K: int) -> tuple[int, int, int]:
@@ -135,15 +99,14 @@ def gemv_config(K: int) -> tuple[int, int, int]:
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int] | None = None,
          gated: bool = False, bias: torch.Tensor | None = None,
-         push: PushBuffers | None = None, prefetch: L2Prefetch | None = None) -> torch.Tensor:
+         push: PushBuffers | None = None) -> torch.Tensor:
     """x [..., K] holding one row, weight [N, K] (unit stride in K) -> [..., N] in x's dtype
     (fp32 accumulation; bias [N], contiguous, added before the rounding). gated: weight stacks
     gate over up rows (N even) and the result is silu(gate) * up [..., N/2], rounded as
     longctx.ops.silu_mul after the projection would (no bias). push: this rank's buffers of a
     push all-reduce (kernels/allreduce.py): the result, a row-parallel partial, is also pushed
-    into every rank's buffer; the all-reduce call that follows must pass pushed=True. prefetch:
-    the next GEMV's weight, whose first bytes this kernel's last programs ask L2 to fetch
-    (sm_90+; kernels/utils.py prefetch_l2). `config` overrides gemv_config, for tuning sweeps."""
+    into every rank's buffer; the all-reduce call that follows must pass pushed=True. `config`
+    overrides gemv_config, for tuning sweeps."""
     N, K = weight.shape
     x1 = x.reshape(-1)
     if x1.numel() != K:
@@ -158,15 +121,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int] | N
         raise ValueError("gemv pushes plain projections only, not gated ones")
     block_n, block_k, warps = config or gemv_config(K)
     buf, peers, flags, rank, slot = push if push is not None else (x1, x1, x1, 0, 0)
-    grid = cdiv(N, block_n)
-    chunk_k = OWN_CHUNK // weight.element_size()
-    own = OWN_PROGRAMS if x.is_cuda and prefetch_supported(x.device) else 0
-    _gemv_kernel[(grid,)](
+    _gemv_kernel[(cdiv(N, block_n),)](
         x1, weight, out, x1 if bias is None else bias, N, K, weight.stride(0), buf, peers, flags,
-        rank, slot, **prefetch_args(prefetch, x.device, weight, grid, 32 * warps),
-        pf_own=own if own >= 0 else grid, PF_OWN=own != 0,
-        PF_CHUNKS=next_power_of_2(cdiv(K, chunk_k)), PF_CHUNK_K=chunk_k,
-        PF_THREADS=32 * warps, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=K % block_k == 0, GATED=gated,
+        rank, slot, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=K % block_k == 0, GATED=gated,
         HAS_BIAS=bias is not None, PUSH=push is not None,
         **push_constexprs(x.dtype, peers.numel() if push else 0),
         num_warps=warps, **pdl_launch(x.device))

@@ -6,7 +6,6 @@ import contextlib
 import functools
 import os
 from collections.abc import Iterator
-from typing import NamedTuple
 
 import torch
 import triton
@@ -141,68 +140,3 @@ def pdl_wait(USE_PDL: tl.constexpr):
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-
-
-class L2Prefetch(NamedTuple):
-    """What a kernel should ask L2 to fetch as it ends: the first `nbytes` of the weight the
-    next GEMV streams (`split`: its rows are read from the start of each half at once, as the
-    gated GEMV reads gate and up rows, so each half gets nbytes / 2)."""
-
-    weight: torch.Tensor
-    nbytes: int
-    split: bool = False
-
-
-def prefetch_supported(device: torch.device) -> bool:
-    """Whether kernels on `device` can issue L2 bulk prefetches (sm_90+: cp.async.bulk)."""
-    cap = device_capability(device)
-    return cap is not None and cap[0] >= 9
-
-
-# Bytes per bulk prefetch: one instruction per thread and chunk.
-PREFETCH_CHUNK = 4096
-
-
-def prefetch_args(pf: L2Prefetch | None, device: torch.device, dummy: torch.Tensor,
-                  programs: int, threads: int) -> dict:
-    """The arguments of `prefetch_l2` for a launch of `programs` programs of `threads` threads
-    (keyword names as the kernels take them): two byte ranges of whole PREFETCH_CHUNKs (pf_na
-    chunks at PF_A, pf_nb at PF_B), shared by the last pf_parts programs, one chunk per thread
-    where there are programs enough; PREFETCH off where `pf` is None, too small, not contiguous,
-    or the device cannot prefetch (dummy fills the pointers)."""
-    off = {"PF_A": dummy, "PF_B": dummy, "pf_na": 0, "pf_nb": 0, "pf_parts": 1,
-           "PREFETCH": False, "PF_CHUNK": PREFETCH_CHUNK}
-    if pf is None or not pf.weight.is_contiguous() or not prefetch_supported(device):
-        return off
-    w = pf.weight
-    half = w.numel() * w.element_size() // (2 if pf.split else 1)
-    n = min(pf.nbytes // (2 if pf.split else 1), half) // PREFETCH_CHUNK
-    if n == 0:
-        return off
-    base = w.view(-1).view(torch.uint8)
-    nb = n if pf.split else 0
-    return dict(off, PF_A=base, PF_B=base[half:] if pf.split else base, pf_na=n, pf_nb=nb,
-                pf_parts=min(programs, cdiv(n + nb, threads)), PREFETCH=True)
-
-
-@triton.jit
-def prefetch_l2(PF_A, PF_B, pf_na, pf_nb, pf_parts, THREADS: tl.constexpr,
-                CHUNK: tl.constexpr):
-    """Ask L2 to fetch chunks [0, pf_na) at PF_A and [0, pf_nb) at PF_B (uint8 pointers,
-    CHUNK bytes each), shared by the last pf_parts programs of the launch (the others return at
-    once): one cp.async.bulk prefetch per thread and chunk (sm_90+), nothing waited for. Issued
-    as a kernel ends, it keeps HBM busy through the kernel's tail and whatever small kernels
-    follow, and the next GEMV finds its first rows in L2."""
-    part = tl.program_id(0) - (tl.num_programs(0) - pf_parts)
-    if part >= 0:
-        t = tl.arange(0, THREADS)
-        size = tl.full([THREADS], CHUNK, tl.int32)
-        for c0 in range(part * THREADS, pf_na + pf_nb, pf_parts * THREADS):
-            c = c0 + t
-            off = tl.where(c < pf_na, c, c - pf_na).to(tl.int64) * CHUNK
-            tl.inline_asm_elementwise(
-                "{ .reg .pred p; setp.ne.b32 p, $2, 0; "
-                "@p cp.async.bulk.prefetch.L2.global [$1], $3; mov.u32 $0, 0; }",
-                "=r,l,r,r", [tl.where(c < pf_na, PF_A + off, PF_B + off),
-                             (c < pf_na + pf_nb).to(tl.int32), size],
-                dtype=tl.int32, is_pure=False, pack=1)

@@ -28,7 +28,6 @@ from longctx.attention import attention
 from longctx.config import ModelArgs, check_chunk
 from longctx.decode import decode
 from longctx.fp8 import FP8
-from longctx.kernels.utils import L2Prefetch
 from longctx.ops import (linear, linear_silu_mul, rms_norm, rope_, rope_store_kv, rope_tables,
                          store_fp8)
 from longctx.rope import attention_factor
@@ -151,16 +150,14 @@ class KVCache(nn.Module):
 
 class Linear(nn.Linear):
     """nn.Linear (bias off by default) whose batch-1 product runs longctx.ops.linear (a Triton
-    GEMV on CUDA, the bias added in its epilogue). `prefetch`: the next GEMV's weight, which this
-    one's kernel asks L2 to fetch as it ends (`Transformer.chain_prefetch` sets it)."""
-
-    prefetch: L2Prefetch | None = None
+    GEMV on CUDA, the bias added in its epilogue). Forward hooks (tensor parallelism's
+    all-reduce) apply as to any nn.Linear."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__(in_features, out_features, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, prefetch=self.prefetch)
+        return linear(x, self.weight, self.bias)
 
 
 class FusedLinear(Linear):
@@ -184,7 +181,7 @@ class GateUpLinear(FusedLinear):
         super().__init__(in_features, {"gate_proj": intermediate, "up_proj": intermediate})
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear_silu_mul(x, self.weight, prefetch=self.prefetch)
+        return linear_silu_mul(x, self.weight)
 
 
 class Attention(nn.Module):
@@ -388,22 +385,6 @@ class Transformer(nn.Module):
             k_std, v_std = attn.kv_std(layer.input_layernorm.weight)
             k_std = k_std * attention_factor(self.args.rope_scaling)  # RoPE scales k (YaRN)
             attn.kv_cache.fill_random_(context_len, k_std, v_std, gen)
-
-    def chain_prefetch(self, nbytes: int) -> None:
-        """Let each batch-1 GEMV of a decode step ask L2, as it ends, for the first `nbytes` of
-        the weight the next GEMV streams (qkv -> o -> gate_up -> down -> the next layer's qkv;
-        the last down -> lm_head -> the first qkv, for the next step); 0: none. HBM then keeps
-        streaming weights through each GEMV's tail and the kernels between two GEMVs (norm,
-        all-reduce, RoPE, attention), which otherwise leave it idle. Call once the weights are in
-        place (longctx.parallel.build_model does): it keeps references to them."""
-        chain: list[Linear] = []
-        for layer in self.layers:
-            a, m = layer.self_attn, layer.mlp
-            chain += [a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj]
-        chain.append(self.lm_head)
-        for cur, nxt in zip(chain, chain[1:] + chain[:1]):
-            cur.prefetch = (L2Prefetch(nxt.weight, nbytes, split=isinstance(nxt, GateUpLinear))
-                            if nbytes else None)
 
     def decode_step(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
         """tokens [B] int64 at positions input_pos [B] int64 -> logits [B, V] float32.

@@ -13,7 +13,6 @@ import torch.nn.functional as F
 
 from longctx.backend import use_triton_for
 from longctx.fp8 import quantize_kv
-from longctx.kernels.utils import L2Prefetch
 from longctx.rope import RopeScaling, attention_factor, inv_freq
 
 
@@ -34,21 +33,20 @@ def skinny_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and weight.stride(-1) == 1 and x.stride(-1) == 1)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           prefetch: L2Prefetch | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ weight [N, K]^T (+ bias [N]), in x's dtype.
 
     A single half-precision row on CUDA (a batch-1 decode step) runs longctx's Triton GEMV
     (kernels/gemv.py), a plain stream of the weights, which adds the bias to its float32 sums
     before the one rounding (as cuBLAS's bias epilogue does); 2-16 rows (batch 2-16) its skinny
-    GEMM; anything else runs torch's linear. prefetch: the next GEMV's weight, which the GEMV
-    asks L2 to fetch as it ends (kernels/utils.py prefetch_l2); ignored elsewhere.
+    GEMM; anything else runs torch's linear.
     """
     bias_ok = bias is None or (bias.dtype == x.dtype and bias.stride(-1) == 1)
     if gemv_applies(x, weight) and bias_ok:
         from longctx.kernels.gemv import gemv
 
-        return gemv(x, weight, bias=bias, prefetch=prefetch)
+        return gemv(x, weight, bias=bias)
     if skinny_applies(x, weight) and bias_ok:
         from longctx.kernels.gemv import skinny_gemm
 
@@ -56,16 +54,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor,
-                    prefetch: L2Prefetch | None = None) -> torch.Tensor:
+def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """silu_mul(linear(x, weight)): weight [2I, K] stacks the gate rows over the up rows;
     returns silu(x @ gate^T) * (x @ up^T) [..., I] in x's dtype. For a single half-precision
-    row on CUDA one GEMV computes it, the activation in its epilogue (same rounding), and
-    `prefetch` applies as in `linear`."""
+    row on CUDA one GEMV computes it, the activation in its epilogue (same rounding)."""
     if gemv_applies(x, weight):
         from longctx.kernels.gemv import gemv
 
-        return gemv(x, weight, gated=True, prefetch=prefetch)
+        return gemv(x, weight, gated=True)
     return silu_mul(linear(x, weight))
 
 

@@ -21,7 +21,6 @@ import torch.distributed as dist
 
 from longctx.config import ALL_REDUCE_KINDS
 from longctx.kernels.allreduce import ROUNDS, PushBuffers, mark_dtype, push_all_reduce
-from longctx.kernels.utils import L2Prefetch
 from longctx.ops import gemv_applies, linear, rms_norm
 
 log = logging.getLogger("longctx")
@@ -38,11 +37,9 @@ class NcclAllReduce:
     def __init__(self, group) -> None:
         self.group = group
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor,
-               prefetch: L2Prefetch | None = None) -> torch.Tensor:
-        """A row-parallel projection's partial output x @ weight^T (longctx.ops.linear, with its
-        `prefetch`)."""
-        return linear(x, weight, prefetch=prefetch)
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """A row-parallel projection's partial output x @ weight^T (longctx.ops.linear)."""
+        return linear(x, weight)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of x over the group: x reduced in place and returned, or, for a view with
@@ -103,17 +100,16 @@ class PushAllReduce(NcclAllReduce):
         return (x.dtype == self.dtype and x.device == self.device
                 and 0 < x.numel() <= self.bufs.slot and x.dim() >= 1 and x.stride(-1) == 1)
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor,
-               prefetch: L2Prefetch | None = None) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """With push_gemv, a batch-1 GEMV stores its output into the buffers itself; the next
         reduction (which must be of that output) then only waits and sums."""
         if self.push_gemv and gemv_applies(x, weight) and x.dtype == self.dtype \
                 and x.device == self.device and weight.shape[0] <= self.bufs.slot:
             from longctx.kernels.gemv import gemv
 
-            self._pushed = gemv(x, weight, push=self.bufs, prefetch=prefetch)
+            self._pushed = gemv(x, weight, push=self.bufs)
             return self._pushed
-        return linear(x, weight, prefetch=prefetch)
+        return linear(x, weight)
 
     def _take_pushed(self, x: torch.Tensor) -> bool:
         # Whether x is (a view of all of) the GEMV output pushed last; forgets it either way.

@@ -12,22 +12,16 @@ from longctx.parallel.sequence_parallel import apply_sequence_parallel
 from longctx.parallel.tensor_parallel import apply_tensor_parallel
 from longctx.weights import ShardPlan, WeightSource, load_weights
 
-# Transformer.chain_prefetch's default: TODO from measurement
-L2_PREFETCH_BYTES = 16 << 20
-
 
 def build_model(args: ModelArgs, *, weights: WeightSource, device: torch.device | str,
                 dtype: torch.dtype, batch: int, max_seq_len: int,
                 mesh: DeviceMesh | None = None, all_reduce: str = "auto",
-                kv_cache_dtype: torch.dtype | None = None,
-                l2_prefetch: int = L2_PREFETCH_BYTES) -> Transformer:
+                kv_cache_dtype: torch.dtype | None = None) -> Transformer:
     """A ready-to-run Transformer: weights in `dtype` on `device`, KV caches for `batch`
     sequences of up to `max_seq_len` positions. With a ("sp", "tp") mesh (ParallelDims.build_mesh)
     its tensor and sequence parallelism are applied before any weight is allocated; `all_reduce`
     picks tensor parallelism's sums (longctx.parallel.allreduce.make_all_reduce);
-    `kv_cache_dtype` the KV cache's dtype (None: `dtype`; torch.float8_e4m3fn: fp8 with scales);
-    `l2_prefetch` the bytes of the next weight each batch-1 GEMV asks L2 for as it ends
-    (Transformer.chain_prefetch; 0: none)."""
+    `kv_cache_dtype` the KV cache's dtype (None: `dtype`; torch.float8_e4m3fn: fp8 with scales)."""
     with torch.device("meta"):
         model = Transformer(args)
     model.to(dtype)
@@ -41,5 +35,4 @@ def build_model(args: ModelArgs, *, weights: WeightSource, device: torch.device 
     load_weights(model, weights, plan)
     model.requires_grad_(False).eval()
     model.setup_caches(batch, max_seq_len, kv_cache_dtype)
-    model.chain_prefetch(l2_prefetch)
     return model

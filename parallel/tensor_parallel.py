@@ -51,7 +51,7 @@ class RowParallelLinear(Linear):
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.comm.linear(x, self.weight, prefetch=self.prefetch)
+        return self.comm.linear(x, self.weight)
 
 
 class VocabParallelEmbedding(nn.Module):
