@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from tqdm import tqdm
 
 from longctx.model import Transformer, chunk_spans
@@ -228,6 +229,11 @@ def _decode(model: Transformer, first: torch.Tensor, prompt_len: int, gen_len: i
     """gen_len - 1 decode steps from token `first` [B] at position prompt_len, each timed."""
     step = DecodeStep(model, first, prompt_len, gen_len, temperature, top_p, cuda_graph)
     n = gen_len - 1
+    if dist.is_available() and dist.is_initialized():
+        # The ranks start the timed steps together: a rank still capturing its graph would
+        # otherwise count in the others' first step (their sums wait for its partials).
+        dist.barrier()
+        _synchronizer(first.device)()
     bar = tqdm(total=n, desc="decode", unit="tok", disable=None if progress else True)
     if first.device.type == "cuda":
         # Queue every step with an event between steps, then follow the events: the GPU

@@ -236,6 +236,24 @@ def test_generate_synthetic_decodes_from_the_random_cache():
         b.fill_random_cache(46, seed=0)
 
 
+def test_decode_timing_starts_with_the_ranks_together(monkeypatch, tmp_path):
+    """Under a process group the timed decode steps start after a barrier (a rank still capturing
+    its graph would otherwise count in the others' first step); without one, none is called."""
+    import torch.distributed as dist
+
+    calls = []
+    monkeypatch.setattr(dist, "barrier", lambda *a, **k: calls.append(1))
+    model = _model(torch.float32, max_seq_len=20)
+    generate_synthetic(model, 10, 3, batch=B, seed=0)
+    assert calls == []
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        generate_synthetic(model, 10, 3, batch=B, seed=0)
+    finally:
+        dist.destroy_process_group()
+    assert calls == [1]
+
+
 @pytest.mark.gpu
 def test_chunked_prefill_bf16_on_cuda_within_twice_the_unchunked_error():
     """On one GPU in bf16: the chunked prefill's logits are as close to the fp32 unchunked
