@@ -232,7 +232,12 @@ def test_hopper_module_error_is_not_a_silent_fallback(monkeypatch: pytest.Monkey
     """With Gluon present, an import error inside kernels/prefill_hopper.py raises instead of
     quietly sending every call to the Triton kernel."""
     pytest.importorskip("triton.experimental.gluon")
+    import longctx.kernels
+
     monkeypatch.setitem(sys.modules, "longctx.kernels.prefill_hopper", None)
+    # Imported already by an earlier test in this process, the module is also an attribute of
+    # the package, which `from longctx.kernels import prefill_hopper` would take as it is.
+    monkeypatch.delattr(longctx.kernels, "prefill_hopper", raising=False)
     P._hopper_module.cache_clear()
     try:
         with pytest.raises(ImportError):
