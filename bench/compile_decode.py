@@ -27,15 +27,13 @@ import sys
 from pathlib import Path
 
 import torch
-import triton
-from triton import knobs
-from triton.compiler.compiler import ASTSource, make_backend
-from triton.runtime.jit import create_function_from_signature
 
 from longctx.kernels import decode as D
+from longctx.kernels.offline import compile_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compile_prefill_hopper import TARGET, disassemble, innermost_loops  # noqa: E402
+from compile_prefill_hopper import disassemble, innermost_loops  # noqa: E402
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -59,14 +57,7 @@ def compile_decode(fp8: bool, q_dtype: torch.dtype, config: tuple[int, int, int]
     o = torch.empty(splits, B, Hq, Dh)
     lse = torch.empty(splits, B, Hq)
     dyn = (q, k, v, lens, lens, o, lse, o, lse, lse, ks if fp8 else lse, vs if fp8 else lse)
-    fn = launch.fn
-    backend = make_backend(TARGET)
-    binder = create_function_from_signature(fn.signature, fn.params, backend)
-    kwargs.update(debug=False, instrumentation_mode=knobs.compilation.instrumentation_mode)
-    bound, spec, opts = binder(*dyn, *launch.tail, **kwargs)
-    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, spec, opts)
-    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=TARGET,
-                          options=options.__dict__)
+    return compile_kernel(launch.fn, (9, 0), *dyn, *launch.tail, **kwargs)
 
 
 def hot_loop(cubin: bytes) -> list[str]:

@@ -39,17 +39,14 @@ from pathlib import Path
 
 import torch
 import triton
-from triton import knobs
-from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler.compiler import make_backend
-from triton.experimental.gluon._runtime import GluonASTSource
-from triton.runtime.jit import create_function_from_signature
 
 from longctx.kernels import prefill_hopper as H
+from longctx.kernels.offline import bind, compile_kernel, target
 from longctx.kernels.prefill import hopper_kernel_applies
 
-TARGET = GPUTarget("cuda", 90, 32)  # what an H100 / H200 reports
+TARGET = target((9, 0))  # what an H100 / H200 reports
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 PTXAS = get_ptxas(TARGET.arch).path  # the ptxas Triton itself runs for sm_90 (3.9: a newer one)
 HEADS = [(16, 2), (32, 32), (12, 4), (64, 4), (1, 1)]  # group 8, 1, 3, 16; Hq 1 is a constant
@@ -172,18 +169,11 @@ def dispatch_accepts(v: dict) -> bool:
 
 
 # --------------------------------------------------------------------------- compile
-def specialise(v: dict):
-    """(signature, constexprs, attrs, options) that a launch with the variant's tensors gets."""
+def launch(v: dict) -> tuple[tuple, dict]:
+    """The kernel's arguments and keyword arguments for a launch with the variant's tensors."""
     q, k, val, acc, kw = tensors(v)
     _, args, meta, _ = H.launch_args(q, k, val, v["D"] ** -0.5, v["causal"], acc, **kw)
-    fn = H._attn_fwd_hopper_kernel
-    backend = make_backend(TARGET)
-    binder = create_function_from_signature(fn.signature, fn.params, backend)
-    kwargs = dict(meta, debug=knobs.runtime.debug,
-                  instrumentation_mode=knobs.compilation.instrumentation_mode)  # as JIT run()
-    bound, spec, opts = binder(*args, **kwargs)
-    options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, spec, opts)
-    return signature, constexprs, attrs, options
+    return args, meta
 
 
 def ptxas_info(ptx: str) -> tuple[int, int, int, list[str]]:
@@ -275,9 +265,8 @@ def round_loops(sass: str) -> list[tuple[int, int]]:
 
 
 def compile_variant(v: dict, sass_dir: str | None) -> dict:
-    signature, constexprs, attrs, options = specialise(v)
-    src = GluonASTSource(H._attn_fwd_hopper_kernel, signature, constexprs, attrs)
-    kernel = triton.compile(src, target=TARGET, options=options.__dict__)
+    args, meta = launch(v)
+    kernel = compile_kernel(H._attn_fwd_hopper_kernel, (9, 0), *args, **meta)
     ptx = kernel.asm["ptx"]
     regs, spill_st, spill_ld, warnings = ptxas_info(ptx)
     sass = disassemble(kernel.asm["cubin"])
@@ -298,7 +287,9 @@ def compile_variant(v: dict, sass_dir: str | None) -> dict:
 
 
 def key(v: dict) -> str:
-    signature, constexprs, attrs, _ = specialise(v)
+    args, meta = launch(v)
+    signature, constexprs, attrs, _ = bind(H._attn_fwd_hopper_kernel, make_backend(TARGET), *args,
+                                           **meta)
     return repr((signature, sorted(constexprs.items()), sorted(attrs.items())))
 
 

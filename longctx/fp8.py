@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from longctx.kernels.utils import device_capability
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # e4m3fn's largest finite value
 # `kv_cache_dtype` config values: None = the model's dtype.
@@ -46,6 +48,21 @@ def dequantize_kv(x_fp8: torch.Tensor, scale: torch.Tensor,
     return (x_fp8.to(wide) * scale[..., None].to(wide)).to(dtype)
 
 
+# Triton compiles float8_e4m3fn for sm_89 (Ada) and later only (so does the decode kernel's
+# cvt.rn.f16x2.e4m3x2); on an A100 an fp8 cache would fail to compile, deep in a kernel.
+FP8_MIN_CAPABILITY = (8, 9)
+
+
+def check_fp8_device(device: torch.device, what: str) -> None:
+    """ValueError naming `what` (the fp8 cache or its config key) unless `device` can hold an
+    fp8 cache: the CPU (the torch code) or a GPU of compute capability 8.9 or later."""
+    cap = device_capability(device)
+    if cap is not None and cap < FP8_MIN_CAPABILITY:
+        raise ValueError(f"{what} needs a GPU of compute capability 8.9 or later (Ada, Hopper, "
+                         f"Blackwell), where Triton compiles float8_e4m3fn; {device} has "
+                         f"{cap[0]}.{cap[1]}")
+
+
 def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
     """`kv_cache_dtype` config value -> the cache's dtype ('auto': the model's)."""
     if name not in KV_CACHE_DTYPES:
@@ -67,6 +84,8 @@ def check_kv_scales(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: objec
     on `device`, unit stride in the head dim; a cache in another dtype takes none. Returns
     whether the cache is fp8. ValueError naming the argument otherwise."""
     fp8 = k_cache.dtype == FP8
+    if fp8:
+        check_fp8_device(device, f"an fp8 {k_name}")
     for name, s, cache, cname in (("k_scale", k_scale, k_cache, k_name),
                                   ("v_scale", v_scale, v_cache, v_name)):
         if not fp8:

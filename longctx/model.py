@@ -27,7 +27,7 @@ from torch import nn
 from longctx.attention import attention
 from longctx.config import ModelArgs, check_chunk
 from longctx.decode import decode
-from longctx.fp8 import FP8
+from longctx.fp8 import FP8, check_fp8_device
 from longctx.ops import (linear, linear_silu_mul, rms_norm, rope_, rope_store_kv, rope_tables,
                          store_fp8)
 from longctx.rope import attention_factor
@@ -297,6 +297,8 @@ class Transformer(nn.Module):
         longctx.fp8)."""
         w = self.lm_head.weight
         hd = self.args.head_dim
+        if kv_cache_dtype == FP8:
+            check_fp8_device(w.device, "kv_cache_dtype fp8_e4m3")
         for layer in self.layers:
             attn = layer.self_attn
             attn.kv_cache = self.make_cache(batch, max_seq_len, attn.n_kv_heads, hd,
