@@ -23,17 +23,12 @@ from __future__ import annotations
 import argparse
 import collections
 import re
-import sys
 from pathlib import Path
 
 import torch
 
 from longctx.kernels import decode as D
-from longctx.kernels.offline import compile_kernel
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compile_prefill_hopper import disassemble, innermost_loops  # noqa: E402
-
+from longctx.kernels.offline import compile_kernel, disassemble, innermost_loops
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 

@@ -43,11 +43,10 @@ from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler.compiler import make_backend
 
 from longctx.kernels import prefill_hopper as H
-from longctx.kernels.offline import bind, compile_kernel, target
+from longctx.kernels.offline import bind, compile_kernel, disassemble, innermost_loops, target
 from longctx.kernels.prefill import hopper_kernel_applies
 
 TARGET = target((9, 0))  # what an H100 / H200 reports
-BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 PTXAS = get_ptxas(TARGET.arch).path  # the ptxas Triton itself runs for sm_90 (3.9: a newer one)
 HEADS = [(16, 2), (32, 32), (12, 4), (64, 4), (1, 1)]  # group 8, 1, 3, 16; Hq 1 is a constant
 
@@ -190,14 +189,6 @@ def ptxas_info(ptx: str) -> tuple[int, int, int, list[str]]:
             num(r"(\d+) bytes spill loads"), warnings)
 
 
-def disassemble(cubin: bytes) -> str:
-    with tempfile.TemporaryDirectory() as d:
-        path = Path(d) / "k.cubin"
-        path.write_bytes(cubin)
-        return subprocess.run([BIN / "nvdisasm", "-c", path], capture_output=True, text=True,
-                              check=True).stdout
-
-
 def partitions(sass: str) -> list[dict]:
     """The SASS cut at every USETMAXREG (setmaxnreg) into regions, in address order: per region
     the setmaxnreg value and kind, the highest general register it touches (vector operands and
@@ -230,29 +221,6 @@ def partitions(sass: str) -> list[dict]:
             cur["max_reg"] = max(cur["max_reg"], max(regs))
         cur["tma"] += "UTMALDG" in ins
     return [r for r in regions if r["n"]]
-
-
-def innermost_loops(sass: str) -> list[list[str]]:
-    """The instructions of each innermost SASS loop (a backward branch enclosing no other), in
-    address order."""
-    ins, labels, pending = [], {}, []
-    for line in sass.splitlines():
-        m = re.match(r"^\s*\.(L_x_\d+):", line)
-        if m:
-            pending.append(m.group(1))
-            continue
-        m = re.search(r"/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;", line)
-        if m:
-            labels.update({p: len(ins) for p in pending})
-            pending = []
-            ins.append(m.group(1))
-    spans = []
-    for i, text in enumerate(ins):
-        m = re.search(r"BRA\s.*`\(\.(L_x_\d+)\)", text)
-        if m and labels.get(m.group(1), i + 1) < i:
-            spans.append((labels[m.group(1)], i))
-    return [ins[a:e + 1] for a, e in spans
-            if not any(a <= a2 and e2 <= e and (a2, e2) != (a, e) for a2, e2 in spans)]
 
 
 def round_loops(sass: str) -> list[tuple[int, int]]:

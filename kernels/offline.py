@@ -26,8 +26,12 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import re
+import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import triton
 from triton import knobs
@@ -35,7 +39,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler.compiler import ASTSource, CompiledKernel, make_backend
 from triton.runtime.jit import JITFunction, create_function_from_signature
 
-__all__ = ["compile_only", "compile_kernel", "bind", "target", "SMS"]
+__all__ = ["compile_only", "compile_kernel", "bind", "target", "disassemble", "innermost_loops",
+           "SMS"]
 
 # SM counts of the GPUs each capability stands for (launch rules size grids by them).
 SMS = {(8, 0): 108, (8, 9): 128, (9, 0): 132}
@@ -133,3 +138,36 @@ def compile_only(capability: tuple[int, int]) -> Iterator[list[CompiledKernel]]:
     finally:
         swap(originals, helpers)
         JITFunction.run, backend._forced = saved
+
+
+def disassemble(cubin: bytes) -> str:
+    """A cubin's SASS, by the nvdisasm that Triton ships."""
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "k.cubin"
+        path.write_bytes(cubin)
+        nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+        return subprocess.run([nvdisasm, "-c", path], capture_output=True, text=True,
+                              check=True).stdout
+
+
+def innermost_loops(sass: str) -> list[list[str]]:
+    """The instructions of each innermost SASS loop (a backward branch enclosing no other), in
+    address order."""
+    ins, labels, pending = [], {}, []
+    for line in sass.splitlines():
+        m = re.match(r"^\s*\.(L_x_\d+):", line)
+        if m:
+            pending.append(m.group(1))
+            continue
+        m = re.search(r"/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;", line)
+        if m:
+            labels.update({p: len(ins) for p in pending})
+            pending = []
+            ins.append(m.group(1))
+    spans = []
+    for i, text in enumerate(ins):
+        m = re.search(r"BRA\s.*`\(\.(L_x_\d+)\)", text)
+        if m and labels.get(m.group(1), i + 1) < i:
+            spans.append((labels[m.group(1)], i))
+    return [ins[a:e + 1] for a, e in spans
+            if not any(a <= a2 and e2 <= e and (a2, e2) != (a, e) for a2, e2 in spans)]

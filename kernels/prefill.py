@@ -392,9 +392,17 @@ LAUNCH_CONFIGS = (_HALF, _HALF_SHORT_Q, _D256, _FP32, _FP32_D256, _FP8_HALF, _FP
 
 
 def launch_config(head_dim: int, dtype: torch.dtype, causal: bool, max_seqlen_q: int,
-                  max_seqlen_k: int, fp8: bool = False) -> dict:
-    """Kernel meta-parameters for one call (dtype: q's; fp8: K/V are an fp8 cache): BLOCK_M,
-    BLOCK_N, num_warps, num_stages, M_FASTEST and, where the table caps registers, maxnreg."""
+                  max_seqlen_k: int, fp8: bool = False,
+                  capability: tuple[int, int] | None = None) -> dict:
+    """Kernel meta-parameters for one call (dtype: q's; fp8: K/V are an fp8 cache; capability:
+    the GPU's, None for an sm_90 one): BLOCK_M, BLOCK_N, num_warps, num_stages, M_FASTEST and,
+    where the table caps registers, maxnreg.
+
+    The register cap is for sm_90 and later only, where it was measured. An sm_80 GPU (A100),
+    whose mma.sync keeps the tiles in each warp's registers, spills under it: compiled for sm_80
+    (`longctx.kernels.offline`), _HALF's key-block loop at D=128 holds 106-114 local loads and
+    stores (730-764 instructions) with the cap and 0-4 (538-542) without, and D=64 spills 52
+    bytes with it and none without. Not timed: no A100 was lent."""
     if _INTERPRET:  # one small config: the interpreter is slow and bf16-inexact anyway
         return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=1, M_FASTEST=False)
     if dtype == torch.float32:
@@ -404,13 +412,14 @@ def launch_config(head_dim: int, dtype: torch.dtype, causal: bool, max_seqlen_q:
         if fp8:
             cfg = {_HALF: _FP8_HALF, _D256: _FP8_D256}.get(cfg, cfg)
     kv_head_bytes = 2 * max_seqlen_k * head_dim * (1 if fp8 else dtype.itemsize)
-    return _config_dict(cfg, not causal or kv_head_bytes >= _L2_KV_HEAD_BYTES)
+    return _config_dict(cfg, not causal or kv_head_bytes >= _L2_KV_HEAD_BYTES,
+                        capability is None or capability >= (9, 0))
 
 
-def _config_dict(cfg: tuple, m_fastest: bool) -> dict:
+def _config_dict(cfg: tuple, m_fastest: bool, cap_registers: bool = True) -> dict:
     bm, bn, warps, stages, maxnreg = cfg
     out = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, M_FASTEST=m_fastest)
-    if maxnreg is not None:
+    if maxnreg is not None and cap_registers:
         out["maxnreg"] = maxnreg
     return out
 
@@ -775,7 +784,8 @@ class PrefillPlan:
         # fp32: true fp32 FMA dots (~1e-6 error) instead of TF32; ignored for fp16/bf16.
         input_precision = "ieee" if q.dtype == torch.float32 else "tf32"
         cfg = dict(config) if config is not None else launch_config(
-            d, q.dtype, bool(causal), max_seqlen_q, max_seqlen_k, fp8=k_scale is not None)
+            d, q.dtype, bool(causal), max_seqlen_q, max_seqlen_k, fp8=k_scale is not None,
+            capability=device_capability(q.device))
         num_warps, num_stages = cfg.pop("num_warps", 4), cfg.pop("num_stages", 1)
         qs_t, ks_t = (isinstance(x, torch.Tensor) for x in (q_start, k_start))
         o_dtype = q.dtype if accumulate is None else accumulate[0].dtype

@@ -258,6 +258,10 @@ def test_launch_config_table(monkeypatch: pytest.MonkeyPatch) -> None:
     for d, dtype, cfg in ((96, torch.bfloat16, P._HALF), (192, torch.bfloat16, P._D256),
                           (192, torch.float32, P._FP32_D256)):
         assert launch_config(d, dtype, True, 4096, 4096) == P._config_dict(cfg, False)
+    # the register cap on sm_90+ only (an A100 spills under it: tests/test_compile_targets.py)
+    assert launch_config(128, torch.bfloat16, True, 4096, 4096, capability=(9, 0))["maxnreg"] == 128
+    sm80 = launch_config(128, torch.bfloat16, True, 4096, 4096, capability=(8, 0))
+    assert "maxnreg" not in sm80 and sm80["num_warps"] == 8 and sm80["BLOCK_M"] == 128
 
 
 # Every config the launch table can choose, with the dtypes and head dims it chooses it for.
