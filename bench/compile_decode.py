@@ -13,9 +13,10 @@ its most frequent opcodes. On a CPU the launch would take Triton's conversion fo
 (no CUDA capability to check); `--widen` says which one to compile, `cvt` (default: what an sm_89+
 GPU runs) or `triton`.
 
-BENCHMARKS.md's fp8 section quotes these counts (the bf16 cache's 703 instructions per 128 keys,
-the fp8 cache's 777 / 810 at 2 / 3 stages, 1267 with `--widen triton --q fp16 --config
-128,4,3`).
+BENCHMARKS.md quotes these counts: the fp8 section those of b107688's kernel (the bf16 cache's 703
+instructions per 128 keys, the fp8 cache's 777 / 810 at 2 / 3 stages, 1267 with `--widen triton
+--q fp16 --config 128,4,3`), the decode section those after its loads lost their row masks (584
+for the bf16 cache, 749 / 759 for the fp8 one).
 """
 
 from __future__ import annotations

@@ -110,20 +110,20 @@ def _attend_block(
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = n_start + offs_n0
     n_mask = offs_n < end
-    if HEAD_DIM == BLOCK_D + D_HI:
-        kv_mask = n_mask[:, None]
-    else:  # padded head_dim: its columns read as 0 (no bytes moved), so they add 0 to q.k
-        kv_mask = n_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
+    # Keys past `end` (only in a split's last block) read key end - 1 instead: every load stays
+    # in the sequence, so none needs a mask (a third of the loop's instructions went to the
+    # masks' compares and selects), and their scores are set to -inf below. Not zero-filled
+    # rows: V's rows are multiplied by p = 0, which must not meet whatever lies past the end.
+    rows_n = tl.minimum(offs_n, end - 1)
     if PAGED:
         if BLOCK_N <= PAGE_SIZE:
             # Block is BLOCK_N-aligned and PAGE_SIZE % BLOCK_N == 0, so it lies
             # inside one page: one scalar table lookup per block.
             page = tl.load(bt_row + n_start // PAGE_SIZE).to(tl.int64)
-            slot = (n_start % PAGE_SIZE + offs_n0).to(tl.int64)
         else:
             # Block spans several pages: per-row gather of page ids.
-            page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
-            slot = (offs_n % PAGE_SIZE).to(tl.int64)
+            page = tl.load(bt_row + rows_n // PAGE_SIZE).to(tl.int64)
+        slot = (rows_n % PAGE_SIZE).to(tl.int64)
         # A page id out of range is never dereferenced; its scores become NaN instead, so the
         # sequence's output is NaN: loud, without a host-side check.
         page_ok = (page >= 0) & (page < num_pages)
@@ -134,25 +134,29 @@ def _attend_block(
             ks_rows = page * stride_ks0 + slot * stride_ks1
             vs_rows = page * stride_vs0 + slot * stride_vs1
     else:
-        pos = offs_n.to(tl.int64)
+        pos = rows_n.to(tl.int64)
         k_rows = b64 * stride_k0 + pos * stride_k1
         v_rows = b64 * stride_v0 + pos * stride_v1
         if FP8:
             ks_rows = b64 * stride_ks0 + pos * stride_ks1
             vs_rows = b64 * stride_vs0 + pos * stride_vs1
 
-    k = tl.load(k_head + k_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(v_head + v_rows[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    if HEAD_DIM == BLOCK_D + D_HI:
+        k = tl.load(k_head + k_rows[:, None] + offs_d[None, :])
+        v = tl.load(v_head + v_rows[:, None] + offs_d[None, :])
+    else:  # padded head_dim: its columns read as 0 (no bytes moved), so they add 0 to q.k
+        d_mask = (offs_d < HEAD_DIM)[None, :]
+        k = tl.load(k_head + k_rows[:, None] + offs_d[None, :], mask=d_mask, other=0.0)
+        v = tl.load(v_head + v_rows[:, None] + offs_d[None, :], mask=d_mask, other=0.0)
 
     if FP8:
         k = _widen_e4m3(k, FP8_WIDEN, q.dtype)
         v = _widen_e4m3(v, FP8_WIDEN, q.dtype)
-        k_sc = tl.load(ks_head + ks_rows, mask=n_mask, other=0.0)
+        k_sc = tl.load(ks_head + ks_rows)
         s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * (k_sc * qk_scale)[None, :]
     elif D_HI > 0:
         offs_dh = BLOCK_D + tl.arange(0, D_HI)
-        k_hi = tl.load(k_head + k_rows[:, None] + offs_dh[None, :], mask=n_mask[:, None],
-                       other=0.0)
+        k_hi = tl.load(k_head + k_rows[:, None] + offs_dh[None, :])
         s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
         s = tl.dot(q_hi, tl.trans(k_hi), s, input_precision=INPUT_PRECISION) * qk_scale
     else:
@@ -164,7 +168,7 @@ def _attend_block(
     if FP8:
         # The largest V scale of the block, in the same reduction as the row maxima (a second
         # reduction across the warps cost 20% at 1 x 262144).
-        v_sc = tl.load(vs_head + vs_rows, mask=n_mask, other=0.0)
+        v_sc = tl.load(vs_head + vs_rows)
         s_max, v_max = tl.reduce((s, tl.broadcast_to(v_sc[None, :], s.shape)), 1, _max_pair)
         m_new = tl.maximum(m_i, s_max)
     else:
@@ -182,8 +186,7 @@ def _attend_block(
         u_v = u_new
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
     if D_HI > 0:
-        v_hi = tl.load(v_head + v_rows[:, None] + offs_dh[None, :], mask=n_mask[:, None],
-                       other=0.0)
+        v_hi = tl.load(v_head + v_rows[:, None] + offs_dh[None, :])
         acc_hi = acc_hi * alpha[:, None] + tl.dot(p.to(v.dtype), v_hi,
                                                   input_precision=INPUT_PRECISION)
     return m_new, l_i, acc, u_v, acc_hi

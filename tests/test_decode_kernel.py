@@ -475,6 +475,47 @@ def test_gpu_for_loop_path(monkeypatch, paged):
 
 @pytest.mark.gpu
 @pytest.mark.interpreter
+@pytest.mark.parametrize("layout", ["contiguous", "paged", "fp8"])
+def test_what_lies_past_the_end_is_never_used(layout):
+    """Cache rows past each sequence's length (and their fp8 scales) hold NaN / inf: the output is
+    bit for bit that of a cache holding zeros there. The last block of a split reads key
+    end - 1 in their place (kernels/decode.py `_attend_block`), never the rows themselves."""
+    from longctx.fp8 import FP8, quantize_kv
+
+    B, S, Hkv, G, D = 3, 100, 2, 3, 64
+    lens = torch.tensor([17, 70, 1], dtype=torch.int32)
+    q, k, v = make_inputs(B, Hkv, G, D, S, torch.float16, torch.Generator().manual_seed(5))
+    past = torch.arange(S)[None, :] >= lens[:, None]  # [B, S]
+    outs = []
+    for poison in (0.0, float("nan")):
+        kc, vc = k.clone(), v.clone()
+        kc[past], vc[past] = poison, -poison if poison == 0 else float("inf")
+        kw = {}
+        if layout == "fp8":
+            (kc, ks), (vc, vs) = quantize_kv(k), quantize_kv(v)
+            for x, sc in ((kc, ks), (vc, vs)):
+                x.view(torch.uint8)[past] = 0 if poison == 0 else 0x7F  # e4m3's NaN
+                sc[past] = poison
+            kw = dict(k_scale=ks.to(DEVICE), v_scale=vs.to(DEVICE))
+        table = None
+        if layout == "paged":  # pages of 16 rows in reverse order
+            n = -(-S // 16)
+            pad = n * 16 - S
+            kc, vc = (torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad), value=poison)
+                      .view(B * n, 16, Hkv, D).flip(0).contiguous() for x in (kc, vc))
+            table = (B * n - 1 - torch.arange(B * n, dtype=torch.int32)).view(B, n).to(DEVICE)
+        assert kc.dtype in (torch.float16, FP8)
+        for splits in (1, 3):
+            o, lse = flash_decode(q.to(DEVICE), kc.to(DEVICE), vc.to(DEVICE), lens.to(DEVICE),
+                                  table, D ** -0.5, splits, "separate", **kw)
+            outs.append((splits, o.cpu(), lse.cpu()))
+    for (sp, o0, l0), (_, o1, l1) in zip(outs[:2], outs[2:]):
+        assert torch.isfinite(o1).all() and torch.isfinite(l1).all(), (layout, sp)
+        assert torch.equal(o0, o1) and torch.equal(l0, l1), (layout, sp)
+
+
+@pytest.mark.gpu
+@pytest.mark.interpreter
 def test_invalid_lengths_and_pages_give_nan_not_garbage():
     # The CUDA path cannot raise without a host sync: the kernel flags the sequence with NaN.
     B, S, Hq, Hkv, D = 3, 64, 4, 2, 64
