@@ -1,9 +1,9 @@
 """The fp8-cache decode kernel's launch rule against its alternatives (a development tool; results
 inform kernels/decode.py's FP8_SPLITS and `_launch_config`). For each shape: the bf16 cache
 (longctx's own rule), optionally a previous decode kernel on the same fp8 cache, and the fp8
-kernel at 1x / 2x / 4x the one-wave split count with 128-key blocks and 2 or 3 stages; CUDA-graph
-replay, µs per call (split kernel + merge), with the rule's pick and the floor (the fp8 bytes and
-scales at the measured read bandwidth).
+kernel at 1x / 2x / 4x the one-wave split count with 128-key blocks, 4 or 8 warps and 2 or 3
+stages (`CANDIDATES`); CUDA-graph replay, µs per call (split kernel + merge), with the rule's
+pick and the floor (the fp8 bytes and scales at the measured read bandwidth).
 
     python bench/fp8_decode_sweep.py [--baseline OLD.py]
     # OLD.py: e.g. `git show 5425e66:kernels/decode.py > /tmp/decode_5425e66.py`
@@ -32,8 +32,10 @@ TIMING = dict(warmup_ms=5, rep_ms=20)
 SHAPES = [(16, 2, 64, 1024), (16, 2, 8, 8192), (16, 2, 1, 65536), (16, 2, 1, 262144),
           (64, 8, 8, 8192), (64, 8, 1, 262144), (32, 4, 8, 8192), (32, 4, 1, 262144),
           (32, 4, 1, 1048576)]
+# (multiple of the one-wave split count, (BLOCK_N, warps, stages)). 8 warps: untimed; compiled
+# for sm_90 a warp's loop is 525 instructions against 4 warps' 749, at the same shared memory.
 CANDIDATES = [(1, (128, 4, 2)), (1, (128, 4, 3)), (2, (128, 4, 2)), (2, (128, 4, 3)),
-              (4, (128, 4, 2))]
+              (4, (128, 4, 2)), (1, (128, 8, 2)), (2, (128, 8, 2))]
 
 
 def run(mod, q, k, v, lens, splits, cfg, scales):
