@@ -23,6 +23,9 @@ from longctx.kernels.offline import compile_only, disassemble, innermost_loops
 from longctx.model import Transformer
 
 TARGETS = {"sm80": (8, 0), "sm90": (9, 0)}
+# The most shared memory one program may take: an A100's 163 KiB, an H100's 227 KiB (a launch
+# asking more fails with Triton's OutOfResources, which compiling alone does not raise).
+SMEM_LIMIT = {"sm80": 163 * 1024, "sm90": 227 * 1024}
 
 
 def _names(kernels) -> set[str]:
@@ -62,6 +65,7 @@ def test_model_kernels_compile(target: str, case: str) -> None:
                 "_rope_store_kv_kernel", "_silu_mul_kernel"}
     expected.add("_skinny_kernel" if MODEL_CASES[case].get("batch", 1) > 1 else "_gemv_kernel")
     assert expected <= names, f"not launched: {expected - names}"
+    _assert_fits(kernels, target)
     for k in kernels:
         assert k.asm.get("cubin"), f"{k.name}: no cubin"
         assert k.metadata.target.arch == TARGETS[target][0] * 10 + TARGETS[target][1]
@@ -69,6 +73,11 @@ def test_model_kernels_compile(target: str, case: str) -> None:
     assert pdl == {"_decode_split_kernel": target == "sm90"}  # PDL from sm_90 on
     if target == "sm90":
         _assert_loops_keep_to_registers(kernels)
+
+
+def _assert_fits(kernels, target: str) -> None:
+    for k in kernels:
+        assert k.metadata.shared <= SMEM_LIMIT[target], (k.name, k.metadata.shared)
 
 
 def _assert_loops_keep_to_registers(kernels) -> None:
@@ -108,11 +117,19 @@ def test_fp8_cache_is_refused_below_sm89() -> None:
 @pytest.mark.parametrize("target", TARGETS)
 def test_decode_launches_compile(target: str) -> None:
     """The decode kernel's launches that the model cases above do not make: a paged cache,
-    splits merged by the separate merge kernel, a float32 q, and (sm_90) a paged fp8 cache."""
+    splits merged by the separate merge kernel, a float32 q, (sm_90) a paged fp8 cache, and the
+    long-context configs of the decode and prefill kernels (262144 keys at head_dim 128 and
+    256, where their tiles take the most shared memory)."""
     import longctx
 
     cap = TARGETS[target]
     with compile_only(cap) as kernels:
+        for d in (128, 256):
+            kc = torch.empty(1, 262144, 2, d, dtype=torch.bfloat16)
+            longctx.decode(torch.empty(1, 16, d, dtype=torch.bfloat16), kc, kc)
+            kc = torch.empty(1, 4096, 2, d, dtype=torch.bfloat16)
+            longctx.attention(torch.empty(1, 4096, 16, d, dtype=torch.bfloat16), kc, kc,
+                              causal=True)
         q = torch.empty(2, 16, 128, dtype=torch.float16)
         pages = torch.empty(64, 16, 2, 128, dtype=torch.float16)
         table = torch.zeros(2, 32, dtype=torch.int32)
@@ -125,7 +142,8 @@ def test_decode_launches_compile(target: str) -> None:
             s = torch.empty(64, 16, 2)
             longctx.decode(q, fp8, fp8, cache_seqlens=lens, block_table=table, k_scale=s,
                            v_scale=s)
-    assert {"_decode_split_kernel", "_merge_kernel"} <= _names(kernels)
+    assert {"_decode_split_kernel", "_merge_kernel", "_attn_fwd_kernel"} <= _names(kernels)
+    _assert_fits(kernels, target)
     if target == "sm90":
         _assert_loops_keep_to_registers(kernels)
 
