@@ -9,7 +9,8 @@ head_dims, batches, dtypes and caches), the decode kernel's other launches and t
 layouts' kernels (the Gluon Hopper prefill has its own offline compile test,
 tests/test_prefill_hopper.py `test_gluon_kernel_compiles_for_sm90`). Shapes are small: a
 kernel's code depends on its constexprs and specialisations, which these launches take as the
-real ones do. On sm_90, where the launch rules were tuned, no kernel's loop may spill.
+real ones do. Every kernel's shared memory must fit the target, and on sm_90, where the launch
+rules were tuned, no kernel's loop may spill.
 """
 
 from __future__ import annotations
