@@ -160,7 +160,7 @@ def report(s: dict) -> None:
         calls = -(-P // chunk) if chunk else 1
         prefill = (f"real, {f'{calls} chunks of {chunk}' if calls > 1 else '1 call'}: "
                    f"{s['prefill_s']:.3f} s warm, {s['prefill_tokens_per_s']:,.0f} tokens/s, "
-                   f"{s['prefill_tflops_per_gpu']:.3g} TFLOPS per GPU")
+                   f"{s['prefill_tflops_per_gpu']:.3g} TFLOPS per device")
         if s["prefill_warmup_s"] is not None:
             prefill += (f"\n            first call {s['prefill_warmup_s']:.3f} s (compile + "
                         f"warm-up prefill of {s['prefill_warmup_len']} positions)")
