@@ -18,10 +18,12 @@ kernel:
     .maxnreg, 168 at 12 warps; the partitions run under their setmaxnreg limits) and spills;
   * ptxas warnings, C75xx ones in particular (ptxas serializing every wgmma of the kernel);
   * the setmaxnreg values in the PTX, and per partition (consumer warpgroups, producer warp) the
-    highest register its SASS touches against its setmaxnreg limit ("R183/240").
+    highest register its SASS touches against its setmaxnreg limit ("R183/240");
+  * each consumer's round loop: instructions, PRMTs ("+32p") and local loads / stores ("+6l").
 
-Exit status 1 if a kernel the dispatch can launch spills, gets a ptxas warning (C75xx: wgmma
-serialization), has no setmaxnreg, or a partition whose registers exceed its limit. ptxas reacts
+Exit status 1 if a kernel the dispatch can launch spills, touches local memory in a round loop,
+gets a ptxas warning (C75xx: wgmma serialization), has no setmaxnreg, or a partition whose
+registers exceed its limit. ptxas reacts
 to small source changes (bench/experiments/gluon_fa_hopper_ws/NOTES.md at commit 1c9b5b5): run this after every
 edit of the kernel. A few minutes on 2 cores.
 """
@@ -223,12 +225,16 @@ def partitions(sass: str) -> list[dict]:
     return [r for r in regions if r["n"]]
 
 
-def round_loops(sass: str) -> list[tuple[int, int]]:
-    """(instructions, PRMTs) of each innermost SASS loop that issues wgmmas and exp2s: the
-    consumers' round loops (per round S = Q K^T, O += P V, the softmax; both softmax branches
-    counted). Its length is the hot loop's cost in instructions; PRMTs there are register
-    shuffles of P (ptxas adds 32 per round where two loops carry P, kernels/prefill_hopper.py)."""
-    return [(len(body), sum("PRMT" in x for x in body)) for body in innermost_loops(sass)
+def round_loops(sass: str) -> list[tuple[int, int, int]]:
+    """(instructions, PRMTs, local loads and stores) of each innermost SASS loop that issues
+    wgmmas and exp2s: the consumers' round loops (per round S = Q K^T, O += P V, the softmax;
+    both softmax branches counted). Its length is the hot loop's cost in instructions; PRMTs
+    there are register shuffles of P (ptxas adds 32 per round where two loops carry P,
+    kernels/prefill_hopper.py); LDL / STL are local memory in the hot loop, which ptxas -v's
+    spill bytes do not always show (Triton 3.9, D=96 full acc: 0 bytes, 6 per round)."""
+    return [(len(body), sum("PRMT" in x for x in body),
+             sum(x.split()[0].split(".")[0] in ("LDL", "STL") for x in body))
+            for body in innermost_loops(sass)
             if any("HGMMA" in x for x in body) and any("MUFU.EX2" in x for x in body)]
 
 
@@ -277,12 +283,16 @@ def verdict(v: dict, r: dict) -> list[str]:
     for limit, used in r["consumers"] + r["producers"]:
         if limit is None or used >= limit:
             bad.append(f"R{used} over setmaxnreg {limit}")
+    if any(local for _, _, local in r["loops"]):
+        bad.append("local memory in round loops")
     return bad
 
 
-def fmt_loops(loops: list[tuple[int, int]]) -> str:
-    """'904 904' (instructions of each consumer's round loop), '+32p' where it has PRMTs."""
-    return " ".join(f"{n}" + (f"+{p}p" if p else "") for n, p in loops) or "-"
+def fmt_loops(loops: list[tuple[int, int, int]]) -> str:
+    """'904 904' (instructions of each consumer's round loop), '+32p' where it has PRMTs,
+    '+6l' where it has local loads and stores."""
+    return " ".join(f"{n}" + (f"+{p}p" if p else "") + (f"+{lo}l" if lo else "")
+                    for n, p, lo in loops) or "-"
 
 
 def fmt(parts: list[tuple[int, int]]) -> str:
@@ -331,10 +341,10 @@ def main() -> int:
     print("setmaxnreg in PTX order (one line per distinct sequence):")
     for seq in smn:
         print("   " + " ".join(f"{k} {n}" for k, n in seq))
-    print(f"{failed} dispatchable kernel(s) spill, get a ptxas warning, or exceed a partition's "
-          f"registers" if failed
-          else "every dispatchable kernel: no spills, no ptxas (C75xx) warnings, setmaxnreg "
-               "present, every partition within its setmaxnreg limit")
+    print(f"{failed} dispatchable kernel(s) spill, touch local memory in a round loop, get a "
+          f"ptxas warning, or exceed a partition's registers" if failed
+          else "every dispatchable kernel: no spills, no local memory in round loops, no ptxas "
+               "(C75xx) warnings, setmaxnreg present, every partition within its setmaxnreg limit")
     return 1 if failed else 0
 
 
