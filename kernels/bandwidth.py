@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from longctx.kernels.utils import cdiv
+from longctx.kernels.utils import FP_FUSION, cdiv
 
 
 @triton.jit
@@ -29,7 +29,8 @@ def read_bandwidth(nbytes: int = 4 << 30) -> float:
     grid = cdiv(x.numel(), BLOCK * ITERS)
     out = torch.empty(grid, device="cuda", dtype=torch.float32)
     ms = triton.testing.do_bench(lambda: _read_kernel[(grid,)](x, out, x.numel(), BLOCK=BLOCK,
-                                                               ITERS=ITERS, num_warps=8),
+                                                               ITERS=ITERS, num_warps=8,
+                                                               **FP_FUSION),
                                  warmup=50, rep=300, return_mode="median")
     del x, out
     torch.cuda.empty_cache()

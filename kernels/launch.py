@@ -39,7 +39,7 @@ import triton
 from triton import knobs
 
 from longctx.backend import interpreter_active
-from longctx.kernels.utils import pdl_allowed
+from longctx.kernels.utils import FP_FUSION, pdl_allowed
 
 __all__ = ["Launch", "fast_launch", "fast_launch_active", "launch_internals_differ",
            "current_device", "pdl_allowed", "stream_scratch", "stream_counters",
@@ -338,7 +338,8 @@ class Launch:
             tensor on the generic path, its data_ptr() on the fast path), None for an int, which
             the kernel must list in do_not_specialize.
         tail: the positional arguments after the dynamic ones.
-        kwargs: constexprs by name and launch options (num_warps, num_stages, launch_pdl, ...).
+        kwargs: constexprs by name and launch options (num_warps, num_stages, launch_pdl, ...;
+            `FP_FUSION` unless said otherwise).
     """
 
     __slots__ = ("fn", "grid", "dyn_dtypes", "tail", "kwargs", "_suffix", "_binaries",
@@ -346,7 +347,8 @@ class Launch:
 
     def __init__(self, fn, grid: Sequence[int], dyn_dtypes: Sequence[torch.dtype | None],
                  tail: Sequence, kwargs: dict) -> None:
-        self.fn, self.dyn_dtypes, self.tail, self.kwargs = fn, tuple(dyn_dtypes), tuple(tail), kwargs
+        self.fn, self.dyn_dtypes, self.tail = fn, tuple(dyn_dtypes), tuple(tail)
+        self.kwargs = {**FP_FUSION, **kwargs}
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
         _, names, unspecialized = _signature(fn)
         for name, dt in zip(names, self.dyn_dtypes):

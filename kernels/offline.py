@@ -113,7 +113,9 @@ def compile_only(capability: tuple[int, int]) -> Iterator[list[CompiledKernel]]:
         compiled.append(cache[key])
         return cache[key]
 
-    pdl = {"USE_PDL": True, "launch_pdl": True} if capability >= (9, 0) else {"USE_PDL": False}
+    pdl = {**utils.FP_FUSION, "USE_PDL": capability >= (9, 0)}
+    if capability >= (9, 0):
+        pdl["launch_pdl"] = True
     helpers = {"pdl_launch": lambda device: dict(pdl),
                "device_capability": lambda device: capability,
                "device_sms": lambda device: SMS.get(capability, 132)}

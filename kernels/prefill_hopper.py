@@ -124,7 +124,7 @@ from longctx.kernels.prefill_tiles import (
     _softmax_step,
     _softmax_step_masked,
 )
-from longctx.kernels.utils import head_tiles as _head_tiles, next_power_of_2
+from longctx.kernels.utils import FP_FUSION, head_tiles as _head_tiles, next_power_of_2
 
 __all__ = ["hopper_attention_fwd", "HEAD_DIMS"]
 
@@ -755,7 +755,7 @@ def launch_args(
                 Q_HI_LAYOUT=q_hi_layout, KV_HI_LAYOUT=kv_hi_layout,
                 CONSUMER_REGS=CONSUMER_REGS,
                 PRODUCER_REGS=PRODUCER_REGS if host else PRODUCER_REGS_DEVICE_DESC,
-                num_warps=NUM_WARPS)
+                num_warps=NUM_WARPS, **FP_FUSION)
     grid = (batch * hq * -(-max_seqlen_q // BLOCK_M),)
     return grid, args, meta, out
 

@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from longctx.kernels.utils import FP_FUSION
+
 ARRIVED, FREE = 0, 2  # offsets of the two counter pairs in a rank's flags
 
 
@@ -57,4 +59,4 @@ def ring_sync(mine: torch.Tensor, nxt: torch.Tensor, prev: torch.Tensor,
     _ring_sync_kernel[(1,)](mine, nxt, prev, a[0], a[1], f[0], f[1], wa[0], wa[1], wf[0], wf[1],
                             SIGNAL_ARRIVED=arrived is not None, SIGNAL_FREE=free is not None,
                             WAIT_ARRIVED=wait_arrived is not None, WAIT_FREE=wait_free is not None,
-                            num_warps=1)
+                            num_warps=1, **FP_FUSION)

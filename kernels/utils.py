@@ -75,6 +75,11 @@ def device_name(device: torch.device) -> str:
     return _device_name(cuda_index(device)) if device.type == "cuda" else ""
 
 
+# Fusing a * b + c into one FMA, said at every launch: the kernels were tested and timed with
+# it (Triton 3.6's default). Triton 3.9 warns at the first compile that leaves it unsaid, and
+# 3.10 turns its default off (TRITON_DEFAULT_FP_FUSION, which then no longer moves longctx).
+FP_FUSION = {"enable_fp_fusion": True}
+
 _pdl_off = False
 
 
@@ -107,11 +112,11 @@ def pdl_launch(device: torch.device) -> dict:
 
     Returns {"USE_PDL": True, "launch_pdl": True} on sm_90+ GPUs, else {"USE_PDL": False}
     (CPU and the interpreter, older GPUs, LONGCTX_PDL=0 in the environment at import, or inside
-    `pdl_off()`).
+    `pdl_off()`), each with `FP_FUSION`: the launch options of every kernel that takes these.
     """
-    if device.type != "cuda" or not pdl_allowed():
-        return {"USE_PDL": False}
-    return {"USE_PDL": True, "launch_pdl": True} if _has_pdl(cuda_index(device)) else {"USE_PDL": False}
+    if device.type != "cuda" or not pdl_allowed() or not _has_pdl(cuda_index(device)):
+        return {**FP_FUSION, "USE_PDL": False}
+    return {**FP_FUSION, "USE_PDL": True, "launch_pdl": True}
 
 
 # LONGCTX_PDL, read once at import: reading the environment costs ~0.5 µs, a tenth of an eager

@@ -183,6 +183,37 @@ def test_parallel_kernels_compile(target: str, world: int) -> None:
         _assert_loops_keep_to_registers(kernels)
 
 
+def test_every_launch_says_fp_fusion(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every kernel compiles with FMA fusion although Triton's default says no: each launch
+    states it (kernels/utils.py FP_FUSION), as the kernels were tested and timed, so Triton 3.9
+    has nothing to warn about and 3.10's default (off) changes nothing."""
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "0")
+    kernels = _model_step((9, 0), kv_cache_dtype=FP8) + _model_step((8, 0), batch=4)
+    from longctx.kernels.allreduce import PushBuffers, push_all_reduce
+    from longctx.kernels.gemv import gemv
+    from longctx.kernels.merge import merge_into_triton
+    from longctx.kernels.ring_sync import ring_sync
+
+    bufs = PushBuffers(torch.empty(3 * 2 * 8192, dtype=torch.int16),
+                       torch.zeros(2, dtype=torch.int64), torch.zeros(4, dtype=torch.int32), 0,
+                       8192)
+    x = torch.empty(1, 8192, dtype=torch.bfloat16)
+    with compile_only((9, 0)) as more:
+        gemv(x, torch.empty(8192, 8192, dtype=torch.bfloat16), push=bufs)
+        push_all_reduce(x, bufs, residual=x, norm_weight=x[0], eps=1e-5, pushed=True)
+        flags = torch.zeros(4, dtype=torch.int32)
+        ring_sync(flags, flags, flags, arrived=(0, 1))
+        merge_into_triton(torch.empty(1, 64, 8, 128), torch.empty(1, 64, 8),
+                          torch.empty(1, 64, 8, 128), torch.empty(1, 64, 8))
+        import longctx
+
+        kc = torch.empty(1, 4096, 2, 128, dtype=torch.float16)
+        longctx.decode(torch.empty(1, 16, 128, dtype=torch.float16), kc, kc, num_splits=16)
+    unfused = {k.name for k in kernels + more if not k.metadata.enable_fp_fusion}
+    assert not unfused, f"launched without FP_FUSION: {sorted(unfused)}"
+    assert len(_names(kernels + more)) >= 12
+
+
 def test_compile_only_puts_back_what_it_replaced() -> None:
     """After the block (also one left by an error): Triton's launch, the CPU routing and every
     module's device helpers are the real ones again."""
