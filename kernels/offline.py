@@ -74,16 +74,18 @@ def compile_kernel(fn: JITFunction, capability: tuple[int, int], *args, **kwargs
     """The binary a launch `fn[grid](*args, **kwargs)` would compile on a GPU of `capability`
     (tensors' data pointers are read for their alignment only)."""
     tgt = target(capability)
-    signature, constexprs, attrs, options = bind(fn, make_backend(tgt), *args, **kwargs)
-    return triton.compile(_source(fn)(fn, signature, constexprs, attrs), target=tgt,
-                          options=options.__dict__)
+    return _compile(fn, tgt, bind(fn, make_backend(tgt), *args, **kwargs))
 
 
-def _source(fn: JITFunction):
+def _compile(fn: JITFunction, tgt: GPUTarget, bound: tuple) -> CompiledKernel:
+    """triton.compile of `fn` for `tgt` with `bind`'s (signature, constexprs, attrs, options)."""
+    signature, constexprs, attrs, options = bound
     if getattr(fn, "is_gluon", lambda: False)():
-        from triton.experimental.gluon._runtime import GluonASTSource
-        return GluonASTSource
-    return ASTSource
+        from triton.experimental.gluon._runtime import GluonASTSource as source
+    else:
+        source = ASTSource
+    return triton.compile(source(fn, signature, constexprs, attrs), target=tgt,
+                          options=options.__dict__)
 
 
 @contextlib.contextmanager
@@ -105,11 +107,10 @@ def compile_only(capability: tuple[int, int]) -> Iterator[list[CompiledKernel]]:
     cache: dict[tuple, CompiledKernel] = {}
 
     def run(fn, *args, grid, warmup, **kwargs):  # JITFunction.run, compiling only
-        signature, constexprs, attrs, options = bind(fn, be, *args, **kwargs)
-        key = (fn, str(signature), str(constexprs), str(attrs), str(options))
+        bound = bind(fn, be, *args, **kwargs)
+        key = (fn, *map(str, bound))
         if key not in cache:
-            src = _source(fn)(fn, signature, constexprs, attrs)
-            cache[key] = triton.compile(src, target=tgt, options=options.__dict__)
+            cache[key] = _compile(fn, tgt, bound)
         compiled.append(cache[key])
         return cache[key]
 
