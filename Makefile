@@ -27,8 +27,10 @@ $(VENV)/.installed: pyproject.toml Makefile
 	@touch $@
 
 # pytest-xdist workers per process: one per core where there is no CUDA (CI's 2 cores: the suite
-# in ~8 minutes instead of ~12), none where CUDA is (the tests then share the GPUs one at a time).
-TEST_WORKERS ?= $(shell $(PY) -c "import torch; print(0 if torch.cuda.is_available() else 'auto')" 2>/dev/null || echo 0)
+# in ~8 minutes instead of ~12); where CUDA is, 8 (half the cores if fewer), sharing the GPUs: the
+# GPU tests compile hundreds of kernels, and one at a time the main process had run 35% of its
+# tests after 560 s on 2x H200. tests/conftest.py gives each worker its share of the cores.
+TEST_WORKERS ?= $(shell $(PY) -c "import os, torch; print(min(8, max(1, (os.cpu_count() or 2) // 2)) if torch.cuda.is_available() else 'auto')" 2>/dev/null || echo 0)
 
 # Two pytest processes (tests/conftest.py): the main one (torch tests; `gpu` tests where CUDA is)
 # and the interpreter one (`interpreter` tests: Triton kernels on CPU tensors). Both always run;

@@ -2,8 +2,9 @@
 # The GPU measurements of BENCHMARKS.md, one subcommand each, on one host (run from the repository
 # root of a GPU machine; Hydra may come as wheels in .whl/, see bench/device_env.sh):
 #   bash bench/runs.sh check "case=decode tag=h100" "case=prefill tag=h100"
-#                                           # the test suite on this GPU (TESTS overrides pytest's
-#                                           # arguments, SKIP_TESTS=1 skips it), then launch/bench.py
+#                                           # the test suite on this GPU, both processes (TESTS
+#                                           # overrides pytest's arguments, SKIP_TESTS=1 skips
+#                                           # it, TEST_WORKERS: default 8), then launch/bench.py
 #                                           # once per quoted argument list: the kernel tables
 #   bash bench/runs.sh decode 16384 65536   # CodeLlama-34B decode: tp=G and sp=G (G=1: one run each)
 #   LAYOUTS="parallel.tp=2,parallel.sp=2" bash bench/runs.sh decode 16384   # other tp x sp splits
@@ -39,8 +40,11 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,nohea
 case $what in
   check)
     if [ -z "${SKIP_TESTS:-}" ]; then
+      # Both processes, as make test runs them (8 workers each; the slowest tests listed).
       # shellcheck disable=SC2086
-      run python3 -m pytest -q ${TESTS:-tests/}
+      run python3 -m pytest -q -n "${TEST_WORKERS:-8}" --durations=20 ${TESTS:-tests/}
+      # shellcheck disable=SC2086
+      run env TRITON_INTERPRET=1 python3 -m pytest -q -n "${TEST_WORKERS:-8}" ${TESTS:-tests/}
     fi
     for args in "$@"; do
       # shellcheck disable=SC2086

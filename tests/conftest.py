@@ -21,8 +21,18 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     # rank) must see the CPU-only machine the interpreter process stands for.
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
+# pytest-xdist's workers share the machine's cores: each takes its share for torch's CPU threads,
+# and the ranks it spawns inherit it (else every worker starts one thread per core: 8 workers on
+# 32 cores ask for 256).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+if _WORKERS > 1:
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 from tests.env import DEVICE, HAS_CUDA, INTERPRET  # noqa: E402
 
