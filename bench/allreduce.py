@@ -4,7 +4,9 @@ at 16 KiB (one bf16 row of 8192: batch 1) and at batch 8 (8 rows, 128 KiB); then
 GEMV, as in a decode step: o_proj-shaped GEMVs ([8192, 8192 / W]) each followed by the sum and
 the norm, against the GEMVs alone (the difference is the time the sums add to a step).
 
-    torchrun --nproc_per_node=2 bench/allreduce.py [--chain 96] [--out result.json]
+    torchrun --nproc_per_node=2 bench/allreduce.py [--chain 96] [--out result.json] [--warps 8 32]
+
+--warps adds the push kernel at those warps per row beside its rule's (16 at 8192 columns).
 
 Each variant is a chain of `chain` calls captured in one CUDA graph (a decode step makes 96 at
 CodeLlama-34B), replayed `reps` times after a barrier; the median replay over `chain` is
@@ -84,6 +86,8 @@ def main() -> None:
     p.add_argument("--chain", type=int, default=96)
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8])
     p.add_argument("--out", default=None)
+    p.add_argument("--warps", type=int, nargs="*", default=[],
+                   help="the push kernel also at these warps per row")
     a = p.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
@@ -93,6 +97,8 @@ def main() -> None:
     comms = {"NCCL": NcclAllReduce(group),
              "torch one-shot": TorchOneShot(group, device, dt),
              "longctx push": PushAllReduce.symmetric(group, device, dt, DIM)}
+    for nw in a.warps:
+        comms[f"push, {nw} warps"] = PushAllReduce.symmetric(group, device, dt, DIM, num_warps=nw)
     weight = torch.ones(DIM, device=device, dtype=dt)
     want = world * (world + 1) / 2
     rows = []
@@ -132,6 +138,10 @@ def main() -> None:
             res, gemv(h, w(), push=push.bufs), weight, 1e-5,
             pushed=True),
     }
+    for nw in a.warps:
+        comm = comms[f"push, {nw} warps"]
+        layer[f"GEMV pushing + fused, {nw} warps"] = lambda comm=comm: comm.add_rms_norm(
+            res, gemv(h, w(), push=comm.bufs), weight, 1e-5, pushed=True)
     gemv_rows = {name: graph_us(fn, a.chain) for name, fn in layer.items()}
     if rank == 0:
         print(f"{torch.cuda.get_device_name()} x{world}, bf16, chains of {a.chain} calls in one "
@@ -145,7 +155,7 @@ def main() -> None:
         print(f"\nbatch 1, GEMV [{DIM}, {K}] then the sum and norm: µs per layer-half "
               f"(added to the GEMV alone)")
         for name, us in gemv_rows.items():
-            print(f"  {name:<30} {us:8.2f}  (+{us - base:5.2f})")
+            print(f"  {name:<34} {us:8.2f}  (+{us - base:5.2f})")
         if a.out:
             with open(a.out, "w") as f:
                 json.dump({"device": torch.cuda.get_device_name(), "world": world,

@@ -194,7 +194,7 @@ def _push_all_reduce_kernel(
 
 def push_all_reduce(x: torch.Tensor, bufs: PushBuffers, *, residual: torch.Tensor | None = None,
                     norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-                    pushed: bool = False):
+                    pushed: bool = False, num_warps: int | None = None):
     """Sum over the ranks of x [M, N] (this rank's partial, unit stride in N), through the
     push protocol of this module, with this rank's `bufs` (M * N <= bufs.slot).
 
@@ -202,7 +202,8 @@ def push_all_reduce(x: torch.Tensor, bufs: PushBuffers, *, residual: torch.Tenso
     rms_norm(residual + sum) * norm_weight), each [M, N] in x's dtype, rounded as
     longctx.ops.rms_norm(residual, w, eps, add=sum) rounds; else the sum [M, N]. The sum is in
     float32 in rank order, rounded once: the same bits on every rank. pushed: x's producer
-    already pushed it (x is not read). Every rank must make the same calls in the same order
+    already pushed it (x is not read). num_warps: each row's program's warps (None: 4 to 16,
+    one per 512 columns; a power of two). Every rank must make the same calls in the same order
     with the same M and N.
     """
     M, N = x.shape
@@ -213,10 +214,14 @@ def push_all_reduce(x: torch.Tensor, bufs: PushBuffers, *, residual: torch.Tenso
     s = torch.empty_like(x) if has_norm else out
     r = residual if has_norm else x
     BLOCK = next_power_of_2(N)
+    if num_warps is None:
+        num_warps = min(16, max(4, BLOCK // 512))
+    elif num_warps not in (1, 2, 4, 8, 16, 32):
+        raise ValueError(f"num_warps must be a power of two from 1 to 32, got {num_warps}")
     _push_all_reduce_kernel[(M,)](
         x, x.stride(0), r, r.stride(0), s, s.stride(0), norm_weight if has_norm else x, out,
         out.stride(0), bufs.buf, bufs.peers, bufs.flags, bufs.rank, N, bufs.slot, eps,
         BLOCK=BLOCK, **push_constexprs(x.dtype, bufs.peers.numel()), HAS_NORM=has_norm,
         PUSHED=pushed, WORLD_P2=next_power_of_2(bufs.peers.numel()),
-        num_warps=min(16, max(4, BLOCK // 512)), **pdl_launch(x.device))
+        num_warps=num_warps, **pdl_launch(x.device))
     return (s, out) if has_norm else out

@@ -61,13 +61,15 @@ class PushAllReduce(NcclAllReduce):
 
     bufs: this rank's PushBuffers (messages of `dtype`); `symmetric` allocates them in torch
     symmetric memory. `keepalive` holds what owns the buffers. push_gemv: `linear` lets a
-    batch-1 GEMV push its output itself.
+    batch-1 GEMV push its output itself. num_warps: the push kernel's warps per row (None: its
+    rule; bench/allreduce.py `--warps` times others).
     """
 
     def __init__(self, group, bufs: PushBuffers, dtype: torch.dtype, keepalive: object = None,
-                 push_gemv: bool = False) -> None:
+                 push_gemv: bool = False, num_warps: int | None = None) -> None:
         super().__init__(group)
         self.bufs, self.dtype, self.keepalive = bufs, dtype, keepalive
+        self.num_warps = num_warps  # the push kernel's (None: its rule)
         self.device = bufs.buf.device
         self.push_gemv = push_gemv
         self.name = "push_gemv" if push_gemv else "push"
@@ -75,7 +77,7 @@ class PushAllReduce(NcclAllReduce):
 
     @classmethod
     def symmetric(cls, group, device: torch.device, dtype: torch.dtype, dim: int,
-                  push_gemv: bool = False) -> "PushAllReduce":
+                  push_gemv: bool = False, num_warps: int | None = None) -> "PushAllReduce":
         """Buffers for messages of up to MAX_ROWS x dim elements in torch symmetric memory,
         mapped between the GPUs of `group` (one host). Collective over the group."""
         import torch.distributed._symmetric_memory as symm_mem
@@ -92,7 +94,7 @@ class PushAllReduce(NcclAllReduce):
         dist.barrier(group=group)  # every buffer holds marks before anyone pushes
         bufs = PushBuffers.from_addresses(buf, list(handle.buffer_ptrs), dist.get_rank(group),
                                           slot)
-        return cls(group, bufs, dtype, handle, push_gemv)
+        return cls(group, bufs, dtype, handle, push_gemv, num_warps)
 
     def carries(self, x: torch.Tensor) -> bool:
         """Whether the push kernel takes x (else NCCL): the buffers' dtype and device, at most
@@ -121,7 +123,8 @@ class PushAllReduce(NcclAllReduce):
         pushed = self._take_pushed(x)
         if not self.carries(x):
             return super().all_reduce(x)
-        return push_all_reduce(x.reshape(-1, x.shape[-1]), self.bufs, pushed=pushed).view(x.shape)
+        return push_all_reduce(x.reshape(-1, x.shape[-1]), self.bufs, pushed=pushed,
+                               num_warps=self.num_warps).view(x.shape)
 
     def add_rms_norm(self, residual: torch.Tensor, partial: torch.Tensor, weight: torch.Tensor,
                      eps: float, pushed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,7 +140,7 @@ class PushAllReduce(NcclAllReduce):
         N = partial.shape[-1]
         s, y = push_all_reduce(partial.reshape(-1, N), self.bufs,
                                residual=residual.reshape(-1, N), norm_weight=weight, eps=eps,
-                               pushed=pushed)
+                               pushed=pushed, num_warps=self.num_warps)
         return s.view(partial.shape), y.view(partial.shape)
 
 

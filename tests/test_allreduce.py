@@ -203,3 +203,13 @@ def test_a_stale_read_is_caught(tmp_path):
     result = tmp_path / "err"
     run_distributed(_stale_worker, 2, str(tmp_path), "float16", str(result))
     assert float(result.read_text()) > 0, "rank 0 read stale data, yet matched the reference"
+
+
+def test_push_all_reduce_refuses_a_bad_num_warps():
+    from longctx.kernels.allreduce import ROUNDS, PushBuffers, mark_dtype, push_all_reduce
+
+    idt, mark = mark_dtype(torch.float16)
+    buf = torch.full((ROUNDS * 16,), mark, dtype=idt)
+    bufs = PushBuffers.from_addresses(buf, [buf.data_ptr()], 0, 16)
+    with pytest.raises(ValueError, match="num_warps must be a power of two from 1 to 32, got 3"):
+        push_all_reduce(torch.zeros(1, 16, dtype=torch.float16), bufs, num_warps=3)
