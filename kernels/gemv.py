@@ -33,6 +33,22 @@ def _load_x(X, ks, K, EVEN_K: tl.constexpr):
 
 
 @triton.jit
+def _row_dots(X, W, rows, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr):
+    # x [K] . the weight rows starting at `rows` ([BLOCK_N] element offsets): [BLOCK_N] float32,
+    # one [BLOCK_N, BLOCK_K] product tile summed once at the end. No kernel writes the weights:
+    # the first tile's load is issued before the PDL wait, so it overlaps the previous kernel's
+    # tail; x comes from that kernel and is read after.
+    offs_k = tl.arange(0, BLOCK_K)
+    w = _load_w(W, rows, offs_k, K, EVEN_K)
+    pdl_wait(USE_PDL)
+    acc = w.to(tl.float32) * _load_x(X, offs_k, K, EVEN_K)[None, :]
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        ks = k0 + offs_k
+        acc += _load_w(W, rows, ks, K, EVEN_K).to(tl.float32) * _load_x(X, ks, K, EVEN_K)[None, :]
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
 def _gemv_kernel(X, W, Y, BIAS, N, K, stride_wn, BUF, PEERS, FLAGS, rank, slot,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                  GATED: tl.constexpr, HAS_BIAS: tl.constexpr, PUSH: tl.constexpr,
@@ -49,17 +65,7 @@ def _gemv_kernel(X, W, Y, BIAS, N, K, stride_wn, BUF, PEERS, FLAGS, rank, slot,
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         # Rows past N read row N-1 (in bounds, discarded at the store): no mask on hot loads.
         rows = tl.minimum(offs_n, N - 1)
-    rows = rows.to(tl.int64) * stride_wn
-    offs_k = tl.arange(0, BLOCK_K)
-    # No kernel writes the weights: the first tile's load is issued before the PDL wait, so it
-    # overlaps the previous kernel's tail; x comes from that kernel and is read after.
-    w = _load_w(W, rows, offs_k, K, EVEN_K)
-    pdl_wait(USE_PDL)
-    acc = w.to(tl.float32) * _load_x(X, offs_k, K, EVEN_K)[None, :]
-    for k0 in range(BLOCK_K, K, BLOCK_K):
-        ks = k0 + offs_k
-        acc += _load_w(W, rows, ks, K, EVEN_K).to(tl.float32) * _load_x(X, ks, K, EVEN_K)[None, :]
-    y = tl.sum(acc, axis=1)
+    y = _row_dots(X, W, rows.to(tl.int64) * stride_wn, K, BLOCK_K, EVEN_K, USE_PDL)
     if HAS_BIAS:  # (not GATED) added to the float32 sums: one rounding, as cuBLAS's epilogue
         y += tl.load(BIAS + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
     y = y.to(Y.dtype.element_ty)
@@ -128,6 +134,100 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int] | N
         **push_constexprs(x.dtype, peers.numel() if push else 0),
         num_warps=warps, **pdl_launch(x.device))
     return out
+
+
+@triton.jit
+def _gemv_rope_store_kernel(X, W, BIAS, Q, KC, VC, COS, SIN, POS, SLOT, K, stride_wn, n_pairs,
+                            S_MAX, stride_t, stride_cs, stride_ch, HQ, HKV,
+                            HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                            EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr):
+    # The fused q/k/v projection (rows: HQ q heads, HKV k heads, HKV v heads of 2 HALF rows) of
+    # one token, taken in RoPE pairs: each program owns BLOCK_N / 2 pairs, pair i being rows
+    # (h, d) and (h, d + HALF) of head h = i // HALF, d = i % HALF, interleaved (as the gated
+    # GEMV interleaves gate and up rows). Its epilogue rotates the q and k pairs (rounded as
+    # the GEMV's output and then longctx.ops.rope_store_kv round) and stores q to Q, k and v to
+    # the caches at SLOT (skipped outside [0, S_MAX)). Pairs past the last read the last pair.
+    j = tl.arange(0, BLOCK_N)
+    pair = tl.minimum(tl.program_id(0) * (BLOCK_N // 2) + j // 2, n_pairs - 1)
+    rows = (pair // HALF) * (2 * HALF) + pair % HALF + (j % 2) * HALF
+    y = _row_dots(X, W, rows.to(tl.int64) * stride_wn, K, BLOCK_K, EVEN_K, USE_PDL)
+    if HAS_BIAS:
+        y += tl.load(BIAS + rows).to(tl.float32)
+    y1, y2 = tl.split(tl.reshape(y.to(Q.dtype.element_ty), [BLOCK_N // 2, 2]))
+    offs_p = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+    head, d = offs_p // HALF, offs_p % HALF
+    pos = tl.load(POS).to(tl.int64)
+    cos = tl.load(COS + pos * stride_t + d)
+    sin = tl.load(SIN + pos * stride_t + d)
+    f1, f2 = y1.to(tl.float32), y2.to(tl.float32)
+    rotate = head < HQ + HKV  # q and k heads; v passes through
+    y1 = tl.where(rotate, (f1 * cos - f2 * sin).to(Q.dtype.element_ty), y1)
+    y2 = tl.where(rotate, (f2 * cos + f1 * sin).to(Q.dtype.element_ty), y2)
+    real = offs_p < n_pairs
+    q_at = head.to(tl.int64) * (2 * HALF) + d
+    tl.store(Q + q_at, y1, mask=real & (head < HQ))
+    tl.store(Q + q_at + HALF, y2, mask=real & (head < HQ))
+    slot = tl.load(SLOT).to(tl.int64)
+    # where, not `&`, with the scalar: Triton 3.9's interpreter refuses it and-ed into a mask
+    real = tl.where((slot >= 0) & (slot < S_MAX), real, False)
+    kv_head = tl.where(head < HQ + HKV, head - HQ, head - HQ - HKV).to(tl.int64)
+    at = slot * stride_cs + kv_head * stride_ch + d
+    is_k = real & (head >= HQ) & (head < HQ + HKV)
+    is_v = real & (head >= HQ + HKV)
+    tl.store(KC + at, y1, mask=is_k)
+    tl.store(KC + at + HALF, y2, mask=is_k)
+    tl.store(VC + at, y1, mask=is_v)
+    tl.store(VC + at + HALF, y2, mask=is_v)
+
+
+def gemv_rope_store(x: torch.Tensor, weight: torch.Tensor, n_heads: int, n_kv_heads: int,
+                    cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, slot: torch.Tensor,
+                    bias: torch.Tensor | None = None,
+                    config: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """One decode token's fused q/k/v projection, RoPE and KV-cache store in one GEMV launch:
+    x [..., K] holding one row, weight [(n_heads + 2 n_kv_heads) D, K] (q, k, v heads stacked,
+    unit stride in K; bias [that], contiguous); returns q [n_heads, D] rotated at position
+    pos [1] int64 (cos/sin: the [max_seq_len, D] float32 rotate-half tables of
+    longctx.ops.rope_tables), and writes the rotated k and v [n_kv_heads, D] at slot [1] int64
+    of k_cache / v_cache [1, S_max, n_kv_heads, D] (contiguous, x's dtype; a slot outside
+    [0, S_max) is not written). The same values as longctx.ops.linear followed by
+    longctx.ops.rope_store_kv, with the q/k/v activations never written; `config` as gemv's."""
+    N, K = weight.shape
+    heads = n_heads + 2 * n_kv_heads
+    D = N // heads if heads > 0 else 0
+    if heads <= 0 or N != heads * D or D % 2:
+        raise ValueError(f"weight must be [(n_heads + 2 n_kv_heads) x D, K] with an even D, got "
+                         f"{tuple(weight.shape)} for {n_heads} + 2 x {n_kv_heads} heads")
+    if x.numel() != K:
+        raise ValueError(f"gemv_rope_store takes one row: x has {x.numel()} elements, weight "
+                         f"is {N}x{K}")
+    want = (1, k_cache.shape[1] if k_cache.dim() == 4 else -1, n_kv_heads, D)
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if tuple(c.shape) != want or c.dtype != x.dtype or not c.is_contiguous():
+            raise ValueError(f"{name} must be contiguous [1, S_max, {n_kv_heads}, {D}] in "
+                             f"{x.dtype}, got {tuple(c.shape)} {c.dtype}")
+    if pos.shape != (1,) or slot.shape != (1,):
+        raise ValueError(f"pos and slot must be [1], got {tuple(pos.shape)} and "
+                         f"{tuple(slot.shape)}")
+    if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != D or cos.stride(1) != 1:
+        raise ValueError(f"cos and sin must be [max_seq_len, {D}] with unit stride in D, got "
+                         f"{tuple(cos.shape)} and {tuple(sin.shape)}")
+    if bias is not None and (bias.shape != (N,) or bias.stride(0) != 1):
+        raise ValueError(f"bias must be contiguous [{N}], got {tuple(bias.shape)}")
+    if weight.stride(1) != 1:
+        raise ValueError("weight must have unit stride in K")
+    q = torch.empty(n_heads, D, dtype=x.dtype, device=x.device)
+    block_n, block_k, warps = config or gemv_config(K)
+    n_pairs = N // 2
+    x1 = x.reshape(-1)
+    _gemv_rope_store_kernel[(cdiv(n_pairs, block_n // 2),)](
+        x1, weight, x1 if bias is None else bias, q, k_cache, v_cache, cos, sin, pos, slot, K,
+        weight.stride(0), n_pairs, k_cache.shape[1], cos.stride(0), k_cache.stride(1),
+        k_cache.stride(2), n_heads, n_kv_heads, HALF=D // 2, BLOCK_N=block_n, BLOCK_K=block_k,
+        EVEN_K=K % block_k == 0, HAS_BIAS=bias is not None, num_warps=warps,
+        **pdl_launch(x.device))
+    return q
 
 
 @triton.jit

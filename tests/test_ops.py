@@ -333,6 +333,73 @@ def test_linear_silu_mul_gated_gemv(I, K, device):
     assert err <= 2 * err_plain + 1e-6, (err, err_plain)
 
 
+@pytest.mark.gpu
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("hq,hkv,D,K,bias,slot", [
+    (6, 2, 32, 100, False, 3),   # GQA 3, K in one masked tile
+    (5, 5, 24, 64, True, 0),     # MHA, half-heads of 12: a program's pairs span two heads
+    (3, 1, 18, 100, True, 4),    # 45 pairs: the last program's second pair is past the end
+    (4, 2, 40, 1536, False, 4),  # 1024-wide K steps with a masked tail
+    (6, 2, 32, 100, True, 5),    # slot == S_max: nothing stored
+])
+def test_gemv_rope_store(dtype, hq, hkv, D, K, bias, slot, device):
+    """The decode token's q/k/v projection, RoPE and KV store in one GEMV launch
+    (kernels/gemv.py gemv_rope_store) against the GEMV then rope_store_kv: the same q and
+    caches (bits under the interpreter; on CUDA one rounding, FMA contraction may differ), and
+    no other cache slot written."""
+    from longctx.kernels.fused import rope_store_kv
+    from longctx.kernels.gemv import gemv, gemv_rope_store
+
+    S_max, T = 5, 40
+    n = (hq + 2 * hkv) * D
+    w = (torch.randn(n, K, device=device) * K**-0.5).to(dtype)
+    b = (0.2 * torch.randn(n, device=device)).to(dtype) if bias else None
+    x = torch.randn(1, 1, K, device=device).to(dtype)
+    cos, sin = ops.rope_tables(T, D, 10000.0, torch.device(device))
+    pos, at = torch.tensor([T - 2], device=device), torch.tensor([slot], device=device)
+    kc = torch.randn(1, S_max, hkv, D, device=device).to(dtype)
+    vc = torch.randn_like(kc)
+    kc0, vc0 = kc.clone(), vc.clone()
+    kc_want, vc_want = kc.clone(), vc.clone()
+    q_want, k, v = gemv(x, w, bias=b).view(1, hq + 2 * hkv, D).split([hq, hkv, hkv], dim=1)
+    rope_store_kv(q_want, k, v, cos, sin, pos, kc_want, vc_want, at)
+    q = gemv_rope_store(x, w, hq, hkv, cos, sin, pos, kc, vc, at, bias=b)
+    assert q.shape == (hq, D) and q.dtype == dtype
+    for got, want in ((q, q_want[0]), (kc, kc_want), (vc, vc_want)):
+        if device == "cpu":
+            assert torch.equal(got, want)
+        else:
+            torch.testing.assert_close(got.float(), want.float(), **_tol(dtype))
+    others = [i for i in range(S_max) if i != slot]  # all of them for slot == S_max
+    assert torch.equal(kc[0, others], kc0[0, others]) and torch.equal(vc[0, others], vc0[0, others])
+    if slot < S_max:
+        assert not torch.equal(kc[0, slot], kc0[0, slot])
+
+
+def test_gemv_rope_store_refuses_bad_input():
+    from longctx.kernels.gemv import gemv_rope_store
+
+    w, x = torch.zeros(4 * 8, 16), torch.zeros(16)
+    cos = sin = torch.zeros(10, 8)
+    pos = slot = torch.zeros(1, dtype=torch.int64)
+    kc = torch.zeros(1, 5, 1, 8)
+    with pytest.raises(ValueError, match="weight must be"):
+        gemv_rope_store(x, torch.zeros(33, 16), 2, 1, cos, sin, pos, kc, kc, slot)
+    with pytest.raises(ValueError, match="one row"):
+        gemv_rope_store(torch.zeros(2, 16), w, 2, 1, cos, sin, pos, kc, kc, slot)
+    with pytest.raises(ValueError, match="k_cache must be"):
+        gemv_rope_store(x, w, 2, 1, cos, sin, pos, torch.zeros(2, 5, 1, 8), kc, slot)
+    with pytest.raises(ValueError, match="v_cache must be"):
+        gemv_rope_store(x, w, 2, 1, cos, sin, pos, kc, kc.half(), slot)
+    with pytest.raises(ValueError, match="pos and slot"):
+        gemv_rope_store(x, w, 2, 1, cos, sin, pos[None], kc, kc, slot)
+    with pytest.raises(ValueError, match="cos and sin"):
+        gemv_rope_store(x, w, 2, 1, cos[:, :4], sin, pos, kc, kc, slot)
+    with pytest.raises(ValueError, match="bias must be"):
+        gemv_rope_store(x, w, 2, 1, cos, sin, pos, kc, kc, slot, bias=torch.zeros(31))
+
+
 def test_host_cdiv_and_next_power_of_2_match_triton():
     # The launch wrappers use plain-Python versions (triton's are slow constexpr functions).
     import triton
