@@ -18,6 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import longctx.model as longctx_model
 from longctx.config import ModelArgs
 from longctx.fp8 import FP8
 from longctx.kernels.offline import compile_only, disassemble, innermost_loops
@@ -34,13 +35,16 @@ def _names(kernels) -> set[str]:
 
 
 def _model_step(cap, *, dtype=torch.bfloat16, batch=1, n_heads=16, n_kv_heads=2, head_dim=128,
-                kv_cache_dtype=None, qkv_bias=False):
+                kv_cache_dtype=None, qkv_bias=False, fused_qkv=None):
     """The kernels of a one-layer model's chunked prefill (300 positions in chunks of 128) and one
-    decode step, compiled for capability `cap`."""
+    decode step, compiled for capability `cap` (fused_qkv: longctx.model.FUSED_QKV for it, None
+    as the environment says)."""
     args = ModelArgs(n_layers=1, dim=256, n_heads=n_heads, n_kv_heads=n_kv_heads,
                      head_dim=head_dim, intermediate_size=512, vocab_size=128, qkv_bias=qkv_bias)
     model = Transformer(args).to(dtype)
-    with torch.no_grad(), compile_only(cap) as kernels:
+    with pytest.MonkeyPatch.context() as mp, torch.no_grad(), compile_only(cap) as kernels:
+        if fused_qkv is not None:
+            mp.setattr(longctx_model, "FUSED_QKV", fused_qkv)
         model.setup_caches(batch, 512, kv_cache_dtype)
         tokens = torch.zeros(batch, 300, dtype=torch.long)
         model.prefill(tokens, torch.arange(300), chunk=128)
@@ -54,17 +58,21 @@ MODEL_CASES = {
     "bf16-b2-d96-group3": dict(batch=2, n_heads=6, head_dim=96),
     "bf16-b1-d40": dict(head_dim=40),
     "fp16-b1-d256-mqa": dict(dtype=torch.float16, n_heads=8, n_kv_heads=1, head_dim=256),
+    "bf16-b1-d128-fused-qkv-bias": dict(qkv_bias=True, fused_qkv=True),
 }
 
 
 @pytest.mark.parametrize("case", MODEL_CASES)
 @pytest.mark.parametrize("target", TARGETS)
 def test_model_kernels_compile(target: str, case: str) -> None:
-    kernels = _model_step(TARGETS[target], **MODEL_CASES[case])
+    kw = MODEL_CASES[case]
+    kernels = _model_step(TARGETS[target], **kw)
     names = _names(kernels)
-    expected = {"_attn_fwd_kernel", "_decode_split_kernel", "_rms_norm_kernel",
-                "_rope_store_kv_kernel", "_silu_mul_kernel"}
-    expected.add("_skinny_kernel" if MODEL_CASES[case].get("batch", 1) > 1 else "_gemv_kernel")
+    expected = {"_attn_fwd_kernel", "_decode_split_kernel", "_rms_norm_kernel", "_silu_mul_kernel"}
+    batch1 = kw.get("batch", 1) == 1
+    expected.add("_gemv_kernel" if batch1 else "_skinny_kernel")
+    fused = batch1 and kw.get("fused_qkv", longctx_model.FUSED_QKV)
+    expected.add("_gemv_rope_store_kernel" if fused else "_rope_store_kv_kernel")
     assert expected <= names, f"not launched: {expected - names}"
     _assert_fits(kernels, target)
     for k in kernels:
