@@ -148,8 +148,9 @@ class KVCache(nn.Module):
         int64); the kernel that stores k and v rotates them (`rope_store_kv`: one launch).
         -> o [B, Hq, D] (and lse [B, Hq] with return_lse)."""
         slot, cache_seqlens = step
-        rope_store_kv(q, k, v, *rope, self.k_cache, self.v_cache, slot, **self._scales())
-        return self._attend_step(q, cache_seqlens, return_lse)
+        scales = self._scales()
+        rope_store_kv(q, k, v, *rope, self.k_cache, self.v_cache, slot, **scales)
+        return self._attend_step(q, cache_seqlens, return_lse, scales)
 
     # Whether `decode_projected` may stand for the projection and `decode` (longctx.parallel's
     # caches that merge their shards' states after `decode` say no).
@@ -162,16 +163,18 @@ class KVCache(nn.Module):
         dim], bias) makes of x [B, dim]: longctx.ops.linear_rope_store_kv, one GEMV launch at
         batch 1 where the q/k/v activations are never written. -> o [B, Hq, D]."""
         slot, cache_seqlens = step
+        scales = self._scales()
         q = linear_rope_store_kv(x, weight, bias, n_heads, *rope, self.k_cache, self.v_cache,
-                                 slot, **self._scales())
-        return self._attend_step(q, cache_seqlens, False)
+                                 slot, **scales)
+        return self._attend_step(q, cache_seqlens, False, scales)
 
     def _scales(self) -> dict:
         return {} if self.k_scale is None else dict(k_scale=self.k_scale, v_scale=self.v_scale)
 
-    def _attend_step(self, q: torch.Tensor, cache_seqlens: torch.Tensor, return_lse: bool):
+    def _attend_step(self, q: torch.Tensor, cache_seqlens: torch.Tensor, return_lse: bool,
+                     scales: dict):
         return decode(q, self.k_cache, self.v_cache, cache_seqlens=cache_seqlens,
-                      return_lse=return_lse, **self._scales())
+                      return_lse=return_lse, **scales)
 
 
 class Linear(nn.Linear):
@@ -246,18 +249,20 @@ class Attention(nn.Module):
         KV cache's step_indices when decoding (S = 1), None for a prefill chunk."""
         B, S, _ = x.shape
         hq, hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
-        if step is not None and FUSED_QKV and self.kv_cache.fuses_projection:
-            cos, sin, pos = rope
-            o = self.kv_cache.decode_projected(x[:, 0], self.qkv_proj.weight, self.qkv_proj.bias,
-                                               hq, step, (cos, sin, pos[:, 0]))[:, None]
-            return self.o_proj(o.reshape(B, S, -1))
-        qkv = self.qkv_proj(x).view(B, S, hq + 2 * hkv, D)
         if step is not None:
-            # RoPE of q and k happens in the kernel that stores k and v (KVCache.decode).
-            q, k, v = qkv[:, 0].split([hq, hkv, hkv], dim=1)
             cos, sin, pos = rope
-            o = self.kv_cache.decode(q, k, v, step, (cos, sin, pos[:, 0]))[:, None]
+            rope_step = (cos, sin, pos[:, 0])
+            if FUSED_QKV and self.kv_cache.fuses_projection:
+                o = self.kv_cache.decode_projected(x[:, 0], self.qkv_proj.weight,
+                                                   self.qkv_proj.bias, hq, step, rope_step)
+            else:
+                # RoPE of q and k happens in the kernel that stores k and v (KVCache.decode).
+                qkv = self.qkv_proj(x).view(B, hq + 2 * hkv, D)  # S = 1
+                q, k, v = qkv.split([hq, hkv, hkv], dim=1)
+                o = self.kv_cache.decode(q, k, v, step, rope_step)
+            o = o[:, None]
         else:
+            qkv = self.qkv_proj(x).view(B, S, hq + 2 * hkv, D)
             # One RoPE launch rotates q and k: they are adjacent heads of the fused projection.
             rope_(qkv[:, :, :hq + hkv], *rope)
             q, k, v = qkv.split([hq, hkv, hkv], dim=2)
