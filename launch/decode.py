@@ -42,7 +42,6 @@ from longctx.fp8 import kv_bytes_per_element, resolve_kv_cache_dtype  # noqa: E4
 from longctx.generate import Generation, generate, generate_synthetic  # noqa: E402
 from longctx.hardware import available_memory, code_commit, read_bandwidth  # noqa: E402
 from longctx.parallel.memory import GiB, check_memory, estimate_memory, largest_context  # noqa: E402
-import longctx.model as longctx_model  # noqa: E402
 from longctx.model import Transformer  # noqa: E402
 from longctx.parallel.build import build_model  # noqa: E402
 from longctx.parallel.mesh import ParallelDims  # noqa: E402
@@ -215,8 +214,7 @@ def run(cfg: DictConfig, device: torch.device, rank: int, world: int, run_dir: P
             "device": device_name(device), "world_size": world, "tp": dims.tp, "sp": dims.sp,
             "batch": B, "prompt_len": P, "gen_len": cfg.gen_len, "prefill_chunk": chunk,
             "cuda_graphs": cuda_graphs, "rope_scaling": describe_rope(args.rope_scaling),
-            "qkv_bias": args.qkv_bias, "fused_qkv": longctx_model.FUSED_QKV,
-            "commit": code_commit(), "torch": torch.__version__}
+            "qkv_bias": args.qkv_bias, "commit": code_commit(), "torch": torch.__version__}
     log.info(f"run directory {run_dir}")
     n = info["params"]
     size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"

@@ -19,7 +19,6 @@ activations are bounded by batch x chunk positions instead of the whole prompt.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import torch
@@ -29,14 +28,9 @@ from longctx.attention import attention
 from longctx.config import ModelArgs, check_chunk
 from longctx.decode import decode
 from longctx.fp8 import FP8, check_fp8_device
-from longctx.ops import (linear, linear_rope_store_kv, linear_silu_mul, rms_norm, rope_,
-                         rope_store_kv, rope_tables, store_fp8)
+from longctx.ops import (linear, linear_silu_mul, rms_norm, rope_, rope_store_kv, rope_tables,
+                         store_fp8)
 from longctx.rope import attention_factor
-
-# LONGCTX_FUSED_QKV=1 in the environment at import: a decode step's q/k/v projection, RoPE and
-# KV store run as one GEMV at batch 1 (KVCache.decode_projected), in place of the GEMV and the
-# RoPE + store kernel. Off until timed on a GPU (bench/qkv_rope_ab.py, then a model A/B).
-FUSED_QKV = os.environ.get("LONGCTX_FUSED_QKV", "0") == "1"
 
 
 class RMSNorm(nn.Module):
@@ -148,31 +142,8 @@ class KVCache(nn.Module):
         int64); the kernel that stores k and v rotates them (`rope_store_kv`: one launch).
         -> o [B, Hq, D] (and lse [B, Hq] with return_lse)."""
         slot, cache_seqlens = step
-        scales = self._scales()
+        scales = {} if self.k_scale is None else dict(k_scale=self.k_scale, v_scale=self.v_scale)
         rope_store_kv(q, k, v, *rope, self.k_cache, self.v_cache, slot, **scales)
-        return self._attend_step(q, cache_seqlens, return_lse, scales)
-
-    # Whether `decode_projected` may stand for the projection and `decode` (longctx.parallel's
-    # caches that merge their shards' states after `decode` say no).
-    fuses_projection = True
-
-    def decode_projected(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                         n_heads: int, step: tuple[torch.Tensor, torch.Tensor],
-                         rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """`decode` of the q, k, v heads that the fused projection (weight [(n_heads + 2 Hkv) D,
-        dim], bias) makes of x [B, dim]: longctx.ops.linear_rope_store_kv, one GEMV launch at
-        batch 1 where the q/k/v activations are never written. -> o [B, Hq, D]."""
-        slot, cache_seqlens = step
-        scales = self._scales()
-        q = linear_rope_store_kv(x, weight, bias, n_heads, *rope, self.k_cache, self.v_cache,
-                                 slot, **scales)
-        return self._attend_step(q, cache_seqlens, False, scales)
-
-    def _scales(self) -> dict:
-        return {} if self.k_scale is None else dict(k_scale=self.k_scale, v_scale=self.v_scale)
-
-    def _attend_step(self, q: torch.Tensor, cache_seqlens: torch.Tensor, return_lse: bool,
-                     scales: dict):
         return decode(q, self.k_cache, self.v_cache, cache_seqlens=cache_seqlens,
                       return_lse=return_lse, **scales)
 
@@ -249,20 +220,13 @@ class Attention(nn.Module):
         KV cache's step_indices when decoding (S = 1), None for a prefill chunk."""
         B, S, _ = x.shape
         hq, hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x).view(B, S, hq + 2 * hkv, D)
         if step is not None:
+            # RoPE of q and k happens in the kernel that stores k and v (KVCache.decode).
+            q, k, v = qkv[:, 0].split([hq, hkv, hkv], dim=1)
             cos, sin, pos = rope
-            rope_step = (cos, sin, pos[:, 0])
-            if FUSED_QKV and self.kv_cache.fuses_projection:
-                o = self.kv_cache.decode_projected(x[:, 0], self.qkv_proj.weight,
-                                                   self.qkv_proj.bias, hq, step, rope_step)
-            else:
-                # RoPE of q and k happens in the kernel that stores k and v (KVCache.decode).
-                qkv = self.qkv_proj(x).view(B, hq + 2 * hkv, D)  # S = 1
-                q, k, v = qkv.split([hq, hkv, hkv], dim=1)
-                o = self.kv_cache.decode(q, k, v, step, rope_step)
-            o = o[:, None]
+            o = self.kv_cache.decode(q, k, v, step, (cos, sin, pos[:, 0]))[:, None]
         else:
-            qkv = self.qkv_proj(x).view(B, S, hq + 2 * hkv, D)
             # One RoPE launch rotates q and k: they are adjacent heads of the fused projection.
             rope_(qkv[:, :, :hq + hkv], *rope)
             q, k, v = qkv.split([hq, hkv, hkv], dim=2)

@@ -221,34 +221,3 @@ def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
     rope_(q[:, None], cos, sin, pos)
     rope_(k[:, None], cos, sin, pos)
     store_kv(k_cache, v_cache, k, v, slot, k_scale, v_scale)
-
-
-def linear_rope_store_kv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                         n_heads: int, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
-                         k_cache: torch.Tensor, v_cache: torch.Tensor, slot: torch.Tensor,
-                         k_scale: torch.Tensor | None = None,
-                         v_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """`rope_store_kv` of the heads that linear(x, weight, bias) makes of one token per sequence
-    x [B, K] (weight [(n_heads + 2 Hkv) D, K]: the q, k and v heads stacked, Hkv and D those of
-    k_cache [B, S_max, Hkv, D]): returns the rotated q [B, n_heads, D] and stores the rotated
-    k and v at slot [B] int64 (pos [B] int64, cos/sin and the caches as rope_store_kv's).
-
-    One half-precision row on CUDA with a cache of its dtype runs one GEMV whose epilogue
-    rotates and stores (kernels/gemv.py `gemv_rope_store`): the q/k/v activations are never
-    written and the RoPE + store launch is saved; anything else runs linear, then
-    rope_store_kv."""
-    B, (_, hkv, D) = x.shape[0], k_cache.shape[1:]
-    if weight.shape[0] != (n_heads + 2 * hkv) * D:
-        raise ValueError(f"weight must have (n_heads + 2 x {hkv}) x {D} rows for {n_heads} "
-                         f"q heads and k_cache {tuple(k_cache.shape)}, got {tuple(weight.shape)}")
-    if (B == 1 and gemv_applies(x, weight) and k_scale is None and k_cache.dtype == x.dtype
-            and k_cache.is_contiguous() and v_cache.is_contiguous()
-            and (bias is None or bias.dtype == x.dtype)):
-        from longctx.kernels.gemv import gemv_rope_store
-
-        return gemv_rope_store(x, weight, n_heads, hkv, cos, sin, pos, k_cache, v_cache, slot,
-                               bias=bias)[None]
-    q, k, v = linear(x, weight, bias).view(B, n_heads + 2 * hkv, D).split([n_heads, hkv, hkv],
-                                                                          dim=1)
-    rope_store_kv(q, k, v, cos, sin, pos, k_cache, v_cache, slot, k_scale, v_scale)
-    return q

@@ -43,8 +43,6 @@ class SequenceParallelKVCache(KVCache):
     is never read.
     """
 
-    fuses_projection = False  # `decode` merges the shards' states: the model calls it
-
     def __init__(self, batch: int, max_seq_len: int, n_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, *, group) -> None:
         self.group = group

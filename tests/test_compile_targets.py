@@ -18,7 +18,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import longctx.model as longctx_model
 from longctx.config import ModelArgs
 from longctx.fp8 import FP8
 from longctx.kernels.offline import compile_only, disassemble, innermost_loops
@@ -35,16 +34,13 @@ def _names(kernels) -> set[str]:
 
 
 def _model_step(cap, *, dtype=torch.bfloat16, batch=1, n_heads=16, n_kv_heads=2, head_dim=128,
-                kv_cache_dtype=None, qkv_bias=False, fused_qkv=None):
+                kv_cache_dtype=None, qkv_bias=False):
     """The kernels of a one-layer model's chunked prefill (300 positions in chunks of 128) and one
-    decode step, compiled for capability `cap` (fused_qkv: longctx.model.FUSED_QKV for it, None
-    as the environment says)."""
+    decode step, compiled for capability `cap`."""
     args = ModelArgs(n_layers=1, dim=256, n_heads=n_heads, n_kv_heads=n_kv_heads,
                      head_dim=head_dim, intermediate_size=512, vocab_size=128, qkv_bias=qkv_bias)
     model = Transformer(args).to(dtype)
-    with pytest.MonkeyPatch.context() as mp, torch.no_grad(), compile_only(cap) as kernels:
-        if fused_qkv is not None:
-            mp.setattr(longctx_model, "FUSED_QKV", fused_qkv)
+    with torch.no_grad(), compile_only(cap) as kernels:
         model.setup_caches(batch, 512, kv_cache_dtype)
         tokens = torch.zeros(batch, 300, dtype=torch.long)
         model.prefill(tokens, torch.arange(300), chunk=128)
@@ -58,21 +54,17 @@ MODEL_CASES = {
     "bf16-b2-d96-group3": dict(batch=2, n_heads=6, head_dim=96),
     "bf16-b1-d40": dict(head_dim=40),
     "fp16-b1-d256-mqa": dict(dtype=torch.float16, n_heads=8, n_kv_heads=1, head_dim=256),
-    "bf16-b1-d128-fused-qkv-bias": dict(qkv_bias=True, fused_qkv=True),
 }
 
 
 @pytest.mark.parametrize("case", MODEL_CASES)
 @pytest.mark.parametrize("target", TARGETS)
 def test_model_kernels_compile(target: str, case: str) -> None:
-    kw = MODEL_CASES[case]
-    kernels = _model_step(TARGETS[target], **kw)
+    kernels = _model_step(TARGETS[target], **MODEL_CASES[case])
     names = _names(kernels)
-    expected = {"_attn_fwd_kernel", "_decode_split_kernel", "_rms_norm_kernel", "_silu_mul_kernel"}
-    batch1 = kw.get("batch", 1) == 1
-    expected.add("_gemv_kernel" if batch1 else "_skinny_kernel")
-    fused = batch1 and kw.get("fused_qkv", longctx_model.FUSED_QKV)
-    expected.add("_gemv_rope_store_kernel" if fused else "_rope_store_kv_kernel")
+    expected = {"_attn_fwd_kernel", "_decode_split_kernel", "_rms_norm_kernel",
+                "_rope_store_kv_kernel", "_silu_mul_kernel"}
+    expected.add("_skinny_kernel" if MODEL_CASES[case].get("batch", 1) > 1 else "_gemv_kernel")
     assert expected <= names, f"not launched: {expected - names}"
     _assert_fits(kernels, target)
     for k in kernels:
@@ -161,11 +153,10 @@ def test_decode_launches_compile(target: str) -> None:
 @pytest.mark.parametrize("target", TARGETS)
 def test_parallel_kernels_compile(target: str, world: int) -> None:
     """The kernels of the tensor-parallel decode (the push all-reduce, plain and fused with the
-    residual add and RMSNorm, the GEMV pushing its partial, the q/k/v GEMV storing the rotated
-    k and v itself at tp=2's CodeLlama-34B shape) and of the ring prefill (the copy-engine
-    ring's flags, merging into a running state)."""
+    residual add and RMSNorm, the GEMV pushing its partial) and of the ring prefill (the
+    copy-engine ring's flags, merging into a running state)."""
     from longctx.kernels.allreduce import PushBuffers, push_all_reduce
-    from longctx.kernels.gemv import gemv, gemv_rope_store
+    from longctx.kernels.gemv import gemv
     from longctx.kernels.merge import merge_into_triton
     from longctx.kernels.ring_sync import ring_sync
 
@@ -180,19 +171,14 @@ def test_parallel_kernels_compile(target: str, world: int) -> None:
              torch.empty(n, 4096, dtype=torch.bfloat16), push=bufs)
         push_all_reduce(x, bufs, residual=x, norm_weight=w, eps=1e-5, pushed=True)
         push_all_reduce(torch.empty(8, n, dtype=torch.bfloat16), bufs)
-        kc = torch.empty(1, 1024, 8 // world, 128, dtype=torch.bfloat16)
-        table = torch.empty(1024, 128)
-        one = torch.zeros(1, dtype=torch.int64)
-        gemv_rope_store(x, torch.empty((64 + 16) // world * 128, n, dtype=torch.bfloat16),
-                        64 // world, 8 // world, table, table, one, kc, kc, one)
         flags = torch.zeros(4, dtype=torch.int32)
         ring_sync(flags, flags, flags, arrived=(0, 1), free=(1, 1), wait_arrived=(0, 1),
                   wait_free=(1, 1))
         merge_into_triton(torch.empty(1, 64, 8, 128), torch.empty(1, 64, 8),
                           torch.empty(1, 64, 8, 128, dtype=torch.bfloat16),
                           torch.empty(1, 64, 8))
-    assert {"_gemv_kernel", "_push_all_reduce_kernel", "_gemv_rope_store_kernel",
-            "_ring_sync_kernel", "_merge_into_kernel"} <= _names(kernels)
+    assert {"_gemv_kernel", "_push_all_reduce_kernel", "_ring_sync_kernel",
+            "_merge_into_kernel"} <= _names(kernels)
     if target == "sm90":
         _assert_loops_keep_to_registers(kernels)
 

@@ -207,50 +207,6 @@ def test_decode_fuses_rope_and_kv_store(n_heads, device, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.interpreter
-@pytest.mark.parametrize("qkv_bias", [False, True])
-def test_decode_with_the_fused_qkv_gemv(qkv_bias, device, monkeypatch):
-    """LONGCTX_FUSED_QKV: a batch-1 decode step projects, rotates and stores q/k/v in one GEMV
-    per layer (gemv_rope_store; no rope_store_kv launch) and gives the logits and KV caches of
-    the GEMV then rope_store_kv (bits under the interpreter; on CUDA the epilogue's RoPE may
-    contract into FMAs differently)."""
-    import longctx.kernels.fused as fused
-    import longctx.kernels.gemv as gemv_mod
-    import longctx.model as model_mod
-    from longctx.backend import force_triton
-
-    launches = {}
-    for mod, name in ((fused, "rope_store_kv"), (gemv_mod, "gemv_rope_store")):
-        def count(*args, _name=name, _fn=getattr(mod, name), **kw):
-            launches[_name] = launches.get(_name, 0) + 1
-            return _fn(*args, **kw)
-        monkeypatch.setattr(mod, name, count)
-    args = ModelArgs(n_layers=2, dim=64, n_heads=6, n_kv_heads=2, head_dim=16,
-                     intermediate_size=64, vocab_size=64, qkv_bias=qkv_bias)
-    models = [build_model(args, weights=RandomWeights(seed=1), device=device,
-                          dtype=torch.float16, batch=1, max_seq_len=40) for _ in range(2)]
-    tokens = torch.randint(0, 64, (1, 14), generator=torch.Generator().manual_seed(5)).to(device)
-    logits = []
-    with torch.no_grad(), force_triton(device == "cpu"):
-        for fused_qkv, model in zip((True, False), models):
-            monkeypatch.setattr(model_mod, "FUSED_QKV", fused_qkv)
-            model.prefill(tokens[:, :9], torch.arange(9, device=device))
-            launches.clear()
-            logits.append([model.decode_step(tokens[:, 9 + j], torch.tensor([9 + j], device=device))
-                           for j in range(3)])
-            want = {"gemv_rope_store": 3 * 2} if fused_qkv else {"rope_store_kv": 3 * 2}
-            assert launches == want, launches
-    pairs = list(zip(*logits)) + [
-        (getattr(a.self_attn.kv_cache, c), getattr(b.self_attn.kv_cache, c))
-        for a, b in zip(models[0].layers, models[1].layers) for c in ("k_cache", "v_cache")]
-    for got, want in pairs:
-        if device == "cpu":
-            assert torch.equal(got, want)
-        else:
-            torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
-
-
-@pytest.mark.gpu
 def test_cuda_graph_decode_matches_eager():
     prompt = torch.randint(0, 64, (2, 17), device="cuda")
     tokens = []
