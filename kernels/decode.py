@@ -35,7 +35,8 @@ from longctx.kernels.merge import _merge_parts, merge_states_launch
 from longctx.kernels.utils import (cdiv, device_capability, device_name, device_sms, head_tiles,
                                    next_power_of_2, pdl_launch, pdl_wait)
 
-__all__ = ["DecodePlan", "flash_decode", "flash_decode_partials", "choose_num_splits"]
+__all__ = ["DecodePlan", "flash_decode", "flash_decode_partials", "choose_num_splits",
+           "split_tile_splits"]
 
 _LOG2E = 1.4426950408889634
 # Upper bound on query heads handled by one program. Larger GQA groups (e.g. MQA
@@ -430,6 +431,11 @@ def _launch_config(head_dim: int, dtype: torch.dtype, block_h: int, keys_per_spl
         # those (8 warps; not measured with 64 keys).
         return (64, 4, 3) if block_h * d < 64 * 128 else (32, 8, 2)
     num_warps = 8 if block_h * d >= 64 * 128 else 4
+    split_tile = head_tiles(head_dim, SPLIT_HEADS)[1] > 0
+    if keys_per_split >= 1024 and split_tile and programs > device_sms(device):
+        # A head in two tiles, two programs per SM (`split_tile_splits`): 64-key blocks (H200,
+        # D=96 1 x 262144 at 128 splits: the sweep's best, 59.3 µs).
+        return 64, num_warps, 3
     if keys_per_split >= 1024:
         return (64 if "H100" in device_name(device) else 128), num_warps, 3
     return 64, num_warps, 2 if keys_per_split <= 256 else 3
@@ -605,8 +611,10 @@ class DecodePlan:
         if num_splits is None:
             capacity = (block_table.shape[1] * k_cache.shape[1] if block_table is not None
                         else k_cache.shape[1])
-            num_splits = choose_num_splits(B, k_cache.shape[2], capacity, device_sms(q.device),
-                                           **(FP8_SPLITS if k_scale is not None else {}))
+            sms = device_sms(q.device)
+            rule = (FP8_SPLITS if k_scale is not None
+                    else split_tile_splits(D, B * k_cache.shape[2], sms, q.device))
+            num_splits = choose_num_splits(B, k_cache.shape[2], capacity, sms, **rule)
         self.num_splits, self.return_lse = num_splits, return_lse
         self.lse_shape = (B, Hq)
         rows = B * Hq
@@ -749,6 +757,25 @@ def flash_decode(
 # than the bf16 one and hides them better two at a time: 5-16% faster from 2048 keys a split)
 # while splits keep >= 1024 keys (at 512 keys, 64 x 1024 with 16/2 heads, two per SM lose 22%).
 FP8_SPLITS = dict(programs_per_sm=2, min_keys_per_split=1024)
+
+
+def split_tile_splits(head_dim: int, programs: int, num_sms: int,
+                      device: torch.device) -> dict:
+    """choose_num_splits' arguments for a half-precision cache: {} (one program per SM), except
+    for a head_dim split into two tiles (`head_tiles`: 96 = 64 + 32) on a GPU not named H100
+    when `programs` (batch x KV heads) leave room for two programs per SM each taking >= 2
+    splits: then two programs per SM down to 512 keys a split.
+
+    Its loop issues two dots per key block, and two programs per SM hide that better. Swept on
+    an H200 at D=96, 16/2 heads (bench/results/tune-decode-d96-h200-splits.txt): 1 x 262144
+    took 59.3 µs with 128 splits of 64-key blocks against 62.8 with the one-wave rule's 64 of
+    128; 1 x 65536 22.2 against 23.4; 8 x 8192 22.8 either way; 64 x 1024 (128 programs, one
+    wave) keeps its one split (two: 24.9 against 20.6 µs). On an H100 128 splits were 1.5%
+    slower at 1 x 262144 (bench/results/tune-decode-d96-split-h100.txt)."""
+    if (not head_tiles(head_dim, SPLIT_HEADS)[1] or "H100" in device_name(device)
+            or 2 * programs > num_sms):
+        return {}
+    return dict(programs_per_sm=2, min_keys_per_split=512)
 
 
 def choose_num_splits(

@@ -421,6 +421,39 @@ def test_launch_config_by_gpu(monkeypatch):
         assert fp8_rule(1024, programs=128) == (128, 4, 3)
 
 
+def test_split_head_tile_rule_by_gpu(monkeypatch):
+    """A head in two tiles (96 = 64 + 32) on an H200: two programs per SM where one wave already
+    gives each (batch, KV head) two splits or more, down to 512 keys a split, with 64-key blocks
+    at >= 1024 keys; the H100, power-of-two heads and the padded tile keep the one-wave rule.
+    Device names and SM counts are stubbed: no GPU needed."""
+    import longctx.kernels.decode as kd
+    from longctx.kernels.decode import split_tile_splits
+
+    names = {0: "NVIDIA H100 80GB HBM3", 1: "NVIDIA H200"}
+    monkeypatch.setattr(kernel_utils, "_device_name", lambda index: names[index])
+    monkeypatch.setattr(kernel_utils, "num_sms", lambda index: 132)
+    h100, h200 = torch.device("cuda", 0), torch.device("cuda", 1)
+
+    def splits(b, hkv, n, d, dev):
+        return choose_num_splits(b, hkv, n, 132, **split_tile_splits(d, b * hkv, 132, dev))
+
+    # The decode table's shapes, 2 KV heads: 64 x 1024, 8 x 8192, 1 x 65536, 1 x 262144.
+    assert [splits(b, 2, n, 96, h200) for b, n in
+            ((64, 1024), (8, 8192), (1, 65536), (1, 262144))] == [1, 16, 128, 128]
+    for d, dev in ((96, h100), (128, h200), (256, h200)):
+        assert [splits(b, 2, n, d, dev) for b, n in
+                ((64, 1024), (8, 8192), (1, 65536), (1, 262144))] == [1, 8, 64, 64]
+    assert splits(1, 2, 65536, 80, h200) == 128  # 80 = 64 + 16
+    assert splits(40, 2, 65536, 96, h200) == 1  # 80 programs: no room for two a SM
+    monkeypatch.setattr(kd, "SPLIT_HEADS", False)  # padded to one tile of 128
+    assert splits(1, 2, 262144, 96, h200) == 64
+    monkeypatch.setattr(kd, "SPLIT_HEADS", True)
+    # 64-key blocks for two programs per SM from 1024 keys; one program per SM keeps 128.
+    assert _launch_config(96, torch.float16, 16, 2048, h200, programs=256) == (64, 4, 3)
+    assert _launch_config(96, torch.float16, 16, 4096, h200, programs=128) == (128, 4, 3)
+    assert _launch_config(128, torch.float16, 16, 2048, h200, programs=256) == (128, 4, 3)
+
+
 @pytest.mark.gpu
 @pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
