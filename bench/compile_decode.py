@@ -43,7 +43,8 @@ def compile_decode(fp8: bool, q_dtype: torch.dtype, config: tuple[int, int, int]
     ks = vs = torch.empty(B, S, Hkv) if fp8 else None
     lens = torch.empty(B, dtype=torch.int32)
     if splits is None:
-        splits = D.choose_num_splits(B, Hkv, S, 132, **(D.FP8_SPLITS if fp8 else {}))
+        # (a CPU tensor's device: the rule of a GPU not named H100)
+        splits = D.choose_num_splits(B, Hkv, S, 132, **D.splits_rule(Dh, fp8, q.device))
     launch = D._split_launch(q, k, v, lens, None, Dh ** -0.5, splits, torch.float32, config,
                              k_scale=ks, v_scale=vs)
     kwargs = dict(launch.kwargs, USE_PDL=True)  # as on an sm_90 GPU

@@ -22,7 +22,7 @@ from bench import graph_ms  # noqa: E402
 from longctx.fp8 import quantize_kv  # noqa: E402
 from longctx.kernels.bandwidth import _read_kernel, read_bandwidth  # noqa: E402
 from longctx.kernels.decode import (  # noqa: E402
-    FP8_SPLITS, _launch_config, choose_num_splits, flash_decode_partials,
+    _launch_config, choose_num_splits, flash_decode_partials, splits_rule,
 )
 from longctx.kernels.merge import merge_states_triton  # noqa: E402
 from longctx.kernels.utils import device_sms  # noqa: E402
@@ -82,7 +82,7 @@ def main() -> None:
             except Exception as e:  # a config that does not fit is skipped
                 print(f"  skip {sp} {cfg}: {type(e).__name__}")
         best = min(results, key=results.get)
-        h_sp = choose_num_splits(B, args.hkv, N, sms, **(FP8_SPLITS if args.fp8 else {}))
+        h_sp = choose_num_splits(B, args.hkv, N, sms, **splits_rule(args.d, args.fp8, q.device))
         # an fp8 cache's dots run in float16 (kernels/decode.py `_widen_e4m3`)
         h_cfg = _launch_config(args.d, torch.float16 if args.fp8 else dtype, 16,
                                triton.cdiv(N, h_sp), q.device, args.fp8, h_sp * B * args.hkv)

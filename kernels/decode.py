@@ -36,7 +36,7 @@ from longctx.kernels.utils import (cdiv, device_capability, device_name, device_
                                    next_power_of_2, pdl_launch, pdl_wait)
 
 __all__ = ["DecodePlan", "flash_decode", "flash_decode_partials", "choose_num_splits",
-           "split_tile_splits"]
+           "splits_rule"]
 
 _LOG2E = 1.4426950408889634
 # Upper bound on query heads handled by one program. Larger GQA groups (e.g. MQA
@@ -433,8 +433,8 @@ def _launch_config(head_dim: int, dtype: torch.dtype, block_h: int, keys_per_spl
     num_warps = 8 if block_h * d >= 64 * 128 else 4
     split_tile = head_tiles(head_dim, SPLIT_HEADS)[1] > 0
     if keys_per_split >= 1024 and split_tile and programs > device_sms(device):
-        # A head in two tiles, two programs per SM (`split_tile_splits`): 64-key blocks (H200,
-        # D=96 1 x 262144 at 128 splits: the sweep's best, 59.3 µs).
+        # A head in two tiles, two programs per SM (`splits_rule`): 64-key blocks (H200, D=96
+        # 1 x 262144 at 128 splits: the sweep's best).
         return 64, num_warps, 3
     if keys_per_split >= 1024:
         return (64 if "H100" in device_name(device) else 128), num_warps, 3
@@ -611,10 +611,8 @@ class DecodePlan:
         if num_splits is None:
             capacity = (block_table.shape[1] * k_cache.shape[1] if block_table is not None
                         else k_cache.shape[1])
-            sms = device_sms(q.device)
-            rule = (FP8_SPLITS if k_scale is not None
-                    else split_tile_splits(D, B * k_cache.shape[2], sms, q.device))
-            num_splits = choose_num_splits(B, k_cache.shape[2], capacity, sms, **rule)
+            num_splits = choose_num_splits(B, k_cache.shape[2], capacity, device_sms(q.device),
+                                           **splits_rule(D, k_scale is not None, q.device))
         self.num_splits, self.return_lse = num_splits, return_lse
         self.lse_shape = (B, Hq)
         rows = B * Hq
@@ -759,23 +757,21 @@ def flash_decode(
 FP8_SPLITS = dict(programs_per_sm=2, min_keys_per_split=1024)
 
 
-def split_tile_splits(head_dim: int, programs: int, num_sms: int,
-                      device: torch.device) -> dict:
-    """choose_num_splits' arguments for a half-precision cache: {} (one program per SM), except
-    for a head_dim split into two tiles (`head_tiles`: 96 = 64 + 32) on a GPU not named H100
-    when `programs` (batch x KV heads) leave room for two programs per SM each taking >= 2
-    splits: then two programs per SM down to 512 keys a split.
+def splits_rule(head_dim: int, fp8: bool, device: torch.device) -> dict:
+    """choose_num_splits' arguments for a decode kernel: FP8_SPLITS (two programs per SM while
+    splits keep >= 1024 keys) for an fp8 cache, and for a head_dim split into two tiles
+    (`head_tiles`: 96 = 64 + 32) on a GPU not named H100; else {} (one wave).
 
-    Its loop issues two dots per key block, and two programs per SM hide that better. Swept on
-    an H200 at D=96, 16/2 heads (bench/results/tune-decode-d96-h200-splits.txt): 1 x 262144
-    took 59.3 µs with 128 splits of 64-key blocks against 62.8 with the one-wave rule's 64 of
-    128; 1 x 65536 22.2 against 23.4; 8 x 8192 22.8 either way; 64 x 1024 (128 programs, one
-    wave) keeps its one split (two: 24.9 against 20.6 µs). On an H100 128 splits were 1.5%
-    slower at 1 x 262144 (bench/results/tune-decode-d96-split-h100.txt)."""
-    if (not head_tiles(head_dim, SPLIT_HEADS)[1] or "H100" in device_name(device)
-            or 2 * programs > num_sms):
-        return {}
-    return dict(programs_per_sm=2, min_keys_per_split=512)
+    The split head's loop issues two dots per key block and, like the fp8 loop, runs better two
+    programs to an SM where splits are long. Swept on an H200 at D=96, 16/2 heads
+    (bench/results/tune-decode-d96-h200-splits.txt, then bench/decode_ab.py against the one-wave
+    rule, bench/results/decode-ab-d96-h200.txt): 1 x 262144 took 58.1 µs with 128 splits of
+    64-key blocks against 62.2 with 64 of 128 (cuDNN 57.7); at 512 keys a split, two per SM
+    gained 2% at 1 x 65536 and lost 1.5% at 8 x 8192, so splits stay >= 1024 keys. On an H100
+    128 splits were 1.5% slower at 1 x 262144 (bench/results/tune-decode-d96-split-h100.txt)."""
+    if fp8 or (head_tiles(head_dim, SPLIT_HEADS)[1] and "H100" not in device_name(device)):
+        return FP8_SPLITS
+    return {}
 
 
 def choose_num_splits(
@@ -798,7 +794,7 @@ def choose_num_splits(
     Flash-Decoding table (1 for 64 x 2 programs ... 64 for 1 x 2), within 1 µs of the best
     elsewhere; more splits add merge work, fewer leave SMs idle. Splits keep at least
     `min_keys_per_split` keys. `programs_per_sm` > 1 aims at that many programs per SM instead
-    (`FP8_SPLITS`: an fp8 cache's kernel, two programs sharing an SM).
+    (`splits_rule`: an fp8 cache's kernel or a head in two tiles, two programs sharing an SM).
     """
     base = max(1, batch * num_kv_heads)
     want = max(1, programs_per_sm * num_sms // base)

@@ -422,31 +422,27 @@ def test_launch_config_by_gpu(monkeypatch):
 
 
 def test_split_head_tile_rule_by_gpu(monkeypatch):
-    """A head in two tiles (96 = 64 + 32) on an H200: two programs per SM where one wave already
-    gives each (batch, KV head) two splits or more, down to 512 keys a split, with 64-key blocks
-    at >= 1024 keys; the H100, power-of-two heads and the padded tile keep the one-wave rule.
-    Device names and SM counts are stubbed: no GPU needed."""
+    """A head in two tiles (96 = 64 + 32) on an H200: two programs per SM while splits keep
+    >= 1024 keys (the fp8 cache's rule), with 64-key blocks; the H100, power-of-two heads and
+    the padded tile keep the one-wave rule. Device names and SM counts are stubbed: no GPU."""
     import longctx.kernels.decode as kd
-    from longctx.kernels.decode import split_tile_splits
+    from longctx.kernels.decode import splits_rule
 
     names = {0: "NVIDIA H100 80GB HBM3", 1: "NVIDIA H200"}
     monkeypatch.setattr(kernel_utils, "_device_name", lambda index: names[index])
     monkeypatch.setattr(kernel_utils, "num_sms", lambda index: 132)
     h100, h200 = torch.device("cuda", 0), torch.device("cuda", 1)
+    shapes = ((64, 1024), (8, 8192), (1, 65536), (1, 131072), (1, 262144))
 
-    def splits(b, hkv, n, d, dev):
-        return choose_num_splits(b, hkv, n, 132, **split_tile_splits(d, b * hkv, 132, dev))
+    def splits(d, dev, fp8=False):
+        return [choose_num_splits(b, 2, n, 132, **splits_rule(d, fp8, dev)) for b, n in shapes]
 
-    # The decode table's shapes, 2 KV heads: 64 x 1024, 8 x 8192, 1 x 65536, 1 x 262144.
-    assert [splits(b, 2, n, 96, h200) for b, n in
-            ((64, 1024), (8, 8192), (1, 65536), (1, 262144))] == [1, 16, 128, 128]
+    assert splits(96, h200) == splits(80, h200) == [1, 8, 64, 128, 128]
     for d, dev in ((96, h100), (128, h200), (256, h200)):
-        assert [splits(b, 2, n, d, dev) for b, n in
-                ((64, 1024), (8, 8192), (1, 65536), (1, 262144))] == [1, 8, 64, 64]
-    assert splits(1, 2, 65536, 80, h200) == 128  # 80 = 64 + 16
-    assert splits(40, 2, 65536, 96, h200) == 1  # 80 programs: no room for two a SM
+        assert splits(d, dev) == [1, 8, 64, 64, 64], (d, dev)
+    assert splits(128, h100, fp8=True) == splits(96, h200)  # the fp8 cache's rule, any GPU
     monkeypatch.setattr(kd, "SPLIT_HEADS", False)  # padded to one tile of 128
-    assert splits(1, 2, 262144, 96, h200) == 64
+    assert splits(96, h200) == [1, 8, 64, 64, 64]
     monkeypatch.setattr(kd, "SPLIT_HEADS", True)
     # 64-key blocks for two programs per SM from 1024 keys; one program per SM keeps 128.
     assert _launch_config(96, torch.float16, 16, 2048, h200, programs=256) == (64, 4, 3)
