@@ -2,6 +2,9 @@
 # .whl/ (made by the shared device-wheels.sh) into .whl/site and longctx itself (editable, no
 # deps). bench/runs.sh sources it.
 #   source bench/device_env.sh
+# Results record longctx.hardware.code_commit(): where the machine's copy of .git is older than the
+# tree it reads "<hash>-dirty"; put LONGCTX_COMMIT=$(git rev-parse --short HEAD) (run here) in the
+# command to record the tree's commit instead.
 export PYTHONUNBUFFERED=1
 if ! python3 -c "import hydra" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --target .whl/site .whl/*.whl

@@ -45,7 +45,9 @@ def read_bandwidth(device: torch.device) -> tuple[float, str]:
 
 def code_commit() -> str | None:
     """The longctx commit being run: $LONGCTX_COMMIT when set (a copy of the tree without its
-    .git, as on a rented GPU machine), else `git rev-parse` of the checkout, else None."""
+    .git, as on a rented GPU machine), else `git rev-parse` of the checkout with "-dirty" added
+    when tracked files differ from it (a result of uncommitted code, or of a copied tree whose
+    .git is older, must not pass for the commit's), else None."""
     if os.environ.get("LONGCTX_COMMIT"):
         return os.environ["LONGCTX_COMMIT"]
     root = Path(__file__).resolve().parents[1]
@@ -54,6 +56,10 @@ def code_commit() -> str | None:
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root,
                              capture_output=True, text=True)
+        # content, not timestamps: a copied tree has every file's stat changed
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"], cwd=root,
+                               capture_output=True).returncode == 1
     except OSError:
         return None
-    return out.stdout.strip() or None
+    commit = out.stdout.strip()
+    return (commit + "-dirty" * dirty) or None

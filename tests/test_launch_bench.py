@@ -105,3 +105,38 @@ def test_vllm_peer_loads_with_vllm_stubbed(tmp_path: Path, monkeypatch: pytest.M
 
     assert mod.is_hip_ is False and mod.triton is triton and mod.tl is triton.language
     assert {n for n in sys.modules if n == "vllm" or n.startswith("vllm.")} == before
+
+
+def test_code_commit_says_when_the_tree_is_not_the_commit(tmp_path, monkeypatch):
+    """Results record `code_commit()`: a checkout whose tracked files differ from HEAD (uncommitted
+    code, or a copied tree under an older .git) reads "<hash>-dirty"; untracked files and
+    timestamps alone do not count; $LONGCTX_COMMIT wins."""
+    import importlib.util
+    import shutil
+
+    pkg = tmp_path / "longctx"
+    pkg.mkdir()
+    shutil.copy(Path(__file__).resolve().parents[1] / "longctx" / "hardware.py", pkg)
+    spec = importlib.util.spec_from_file_location("hardware_copy", pkg / "hardware.py")
+    hardware = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hardware)
+    monkeypatch.delenv("LONGCTX_COMMIT", raising=False)
+    assert hardware.code_commit() is None  # no .git there: not an enclosing repository's commit
+
+    def git(*args):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path,
+                       check=True, capture_output=True)
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-qm", "x")
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tmp_path,
+                          capture_output=True, text=True).stdout.strip()
+    assert hardware.code_commit() == head
+    (tmp_path / "untracked.txt").write_text("x")
+    os.utime(pkg / "hardware.py", (0, 0))
+    assert hardware.code_commit() == head
+    with open(pkg / "hardware.py", "a") as f:
+        f.write("# changed\n")
+    assert hardware.code_commit() == head + "-dirty"
+    monkeypatch.setenv("LONGCTX_COMMIT", "abc1234")
+    assert hardware.code_commit() == "abc1234"
