@@ -134,6 +134,10 @@ def _push_all_reduce_kernel(
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
+    if HAS_NORM:
+        # The norm's weight (no kernel writes it) is loaded first, in the shadow of the wait for
+        # the peers; after the sum it was a second memory latency on every call's critical path.
+        nw = tl.load(NW + offs, mask=mask, other=0.0).to(tl.float32)
     if USE_PDL and not PUSHED:
         # X is the predecessor's output. Dependents launch only after this wait: launched
         # earlier, the next GEMV's programs would take SMs from the predecessor still running.
@@ -183,8 +187,7 @@ def _push_all_reduce_kernel(
         tl.store(S + row.to(tl.int64) * stride_s + offs, h, mask=mask)
         hf = h.to(tl.float32)
         inv = tl.rsqrt(tl.sum(hf * hf, axis=0) / N + eps)
-        w = tl.load(NW + offs, mask=mask, other=0.0).to(tl.float32)
-        total = (w * (hf * inv).to(Y.dtype.element_ty).to(tl.float32)).to(Y.dtype.element_ty)
+        total = (nw * (hf * inv).to(Y.dtype.element_ty).to(tl.float32)).to(Y.dtype.element_ty)
     tl.store(Y + row.to(tl.int64) * stride_y + offs, total, mask=mask)
     if arrived == tl.num_programs(0) - 1:
         tl.store(FLAGS + 2, 0)
