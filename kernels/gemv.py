@@ -15,7 +15,7 @@ import triton.language as tl
 
 from longctx.kernels.allreduce import PushBuffers, push_constexprs, push_message
 from longctx.kernels.launch import stream_counters, stream_scratch
-from longctx.kernels.utils import cdiv, next_power_of_2, pdl_launch, pdl_wait
+from longctx.kernels.utils import cdiv, cuda_index, next_power_of_2, pdl_launch, pdl_wait
 
 
 @triton.jit
@@ -31,22 +31,6 @@ def _load_x(X, ks, K, EVEN_K: tl.constexpr):
     if EVEN_K:
         return tl.load(X + ks).to(tl.float32)
     return tl.load(X + ks, mask=ks < K, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _row_dots(X, W, rows, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr):
-    # x [K] . the weight rows starting at `rows` ([BLOCK_N] element offsets): [BLOCK_N] float32,
-    # one [BLOCK_N, BLOCK_K] product tile summed once at the end. No kernel writes the weights:
-    # the first tile's load is issued before the PDL wait, so it overlaps the previous kernel's
-    # tail; x comes from that kernel and is read after.
-    offs_k = tl.arange(0, BLOCK_K)
-    w = _load_w(W, rows, offs_k, K, EVEN_K)
-    pdl_wait(USE_PDL)
-    acc = w.to(tl.float32) * _load_x(X, offs_k, K, EVEN_K)[None, :]
-    for k0 in range(BLOCK_K, K, BLOCK_K):
-        ks = k0 + offs_k
-        acc += _load_w(W, rows, ks, K, EVEN_K).to(tl.float32) * _load_x(X, ks, K, EVEN_K)[None, :]
-    return tl.sum(acc, axis=1)
 
 
 @triton.jit
@@ -66,7 +50,17 @@ def _gemv_kernel(X, W, Y, BIAS, N, K, stride_wn, BUF, PEERS, FLAGS, rank, slot,
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         # Rows past N read row N-1 (in bounds, discarded at the store): no mask on hot loads.
         rows = tl.minimum(offs_n, N - 1)
-    y = _row_dots(X, W, rows.to(tl.int64) * stride_wn, K, BLOCK_K, EVEN_K, USE_PDL)
+    rows = rows.to(tl.int64) * stride_wn
+    offs_k = tl.arange(0, BLOCK_K)
+    # No kernel writes the weights: the first tile's load is issued before the PDL wait, so it
+    # overlaps the previous kernel's tail; x comes from that kernel and is read after.
+    w = _load_w(W, rows, offs_k, K, EVEN_K)
+    pdl_wait(USE_PDL)
+    acc = w.to(tl.float32) * _load_x(X, offs_k, K, EVEN_K)[None, :]
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        ks = k0 + offs_k
+        acc += _load_w(W, rows, ks, K, EVEN_K).to(tl.float32) * _load_x(X, ks, K, EVEN_K)[None, :]
+    y = tl.sum(acc, axis=1)
     if HAS_BIAS:  # (not GATED) added to the float32 sums: one rounding, as cuBLAS's epilogue
         y += tl.load(BIAS + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
     y = y.to(Y.dtype.element_ty)
@@ -242,7 +236,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if split_k > 1:
         ws_elems, n_counters = split_k * tiles * block_n * 16, tiles
         if x.is_cuda:  # the stream's own, reused (kernels/launch.py): no allocation per call
-            dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+            dev = cuda_index(x.device)
             ws = stream_scratch(4 * ws_elems, dev, "skinny_split_k").view(torch.float32)
             arrived = stream_counters(n_counters, dev)
         else:
