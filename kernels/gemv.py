@@ -4,13 +4,10 @@ At batch 1 a linear layer is a pure stream of its weights, so the ceiling is the
 bandwidth. Each program owns BLOCK_N rows of W and walks K in BLOCK_K steps, multiplying in
 fp32 into a [BLOCK_N, BLOCK_K] register tile that is summed once at the end (no per-step
 reductions); wide K steps (1-2K elements of 4 rows per load) keep enough bytes in flight per
-program to cover HBM latency, and the first step's weights load before the PDL wait, the
-program's next ones stream into L2 meanwhile (a TMA bulk prefetch, `gemv_config`).
+program to cover HBM latency, and the first step's weights load before the PDL wait.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -18,8 +15,7 @@ import triton.language as tl
 
 from longctx.kernels.allreduce import PushBuffers, push_constexprs, push_message
 from longctx.kernels.launch import stream_counters, stream_scratch
-from longctx.kernels.utils import (cdiv, cuda_index, next_power_of_2, pdl_launch, pdl_wait,
-                                   prefetch_l2)
+from longctx.kernels.utils import cdiv, cuda_index, next_power_of_2, pdl_launch, pdl_wait
 
 
 @triton.jit
@@ -38,9 +34,8 @@ def _load_x(X, ks, K, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _gemv_kernel(X, W, Y, BIAS, N, K, stride_wn, BUF, PEERS, FLAGS, rank, slot, pf_bytes,
+def _gemv_kernel(X, W, Y, BIAS, N, K, stride_wn, BUF, PEERS, FLAGS, rank, slot,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                 PREFETCH: tl.constexpr,
                  GATED: tl.constexpr, HAS_BIAS: tl.constexpr, PUSH: tl.constexpr,
                  WORLD: tl.constexpr, IDT: tl.constexpr, MARK: tl.constexpr,
                  USE_PDL: tl.constexpr):
@@ -60,15 +55,6 @@ def _gemv_kernel(X, W, Y, BIAS, N, K, stride_wn, BUF, PEERS, FLAGS, rank, slot, 
     # No kernel writes the weights: the first tile's load is issued before the PDL wait, so it
     # overlaps the previous kernel's tail; x comes from that kernel and is read after.
     w = _load_w(W, rows, offs_k, K, EVEN_K)
-    if PREFETCH:
-        # And the next pf_bytes of each row into L2, for the loop after the wait.
-        for r in tl.static_range(BLOCK_N):
-            if GATED:
-                row = (tl.minimum(tl.program_id(0) * (BLOCK_N // 2) + r // 2, n_out - 1)
-                       + (r % 2) * n_out)
-            else:
-                row = tl.minimum(tl.program_id(0) * BLOCK_N + r, N - 1)
-            prefetch_l2(W + row.to(tl.int64) * stride_wn + BLOCK_K, pf_bytes)
     pdl_wait(USE_PDL)
     acc = w.to(tl.float32) * _load_x(X, offs_k, K, EVEN_K)[None, :]
     for k0 in range(BLOCK_K, K, BLOCK_K):
@@ -94,18 +80,9 @@ def _gemv_kernel(X, W, Y, BIAS, N, K, stride_wn, BUF, PEERS, FLAGS, rank, slot, 
             push_message(BUF, PEERS, rnd, y, offs_n, offs_n < N, rank, slot, WORLD, IDT, MARK)
 
 
-# Bytes of its weight rows that a GEMV or skinny-GEMM program prefetches into L2 before its PDL
-# wait (past the GEMV's first tile, which it loads; the configs' last value; 0: none).
-# LONGCTX_PREFETCH_KB, read once at import, overrides the rule, for A/B runs of the model.
-_PREFETCH_ENV = os.environ.get("LONGCTX_PREFETCH_KB")
-PREFETCH_BYTES = 1024 * int(_PREFETCH_ENV) if _PREFETCH_ENV else 0
-
-
-def gemv_config(K: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, prefetch): 4 rows per program, and 2048-wide K steps with
-    8 warps when K is a multiple of 2048 with at least 4 steps, else 1024-wide steps with 4
-    warps; up to `prefetch` bytes of a program's rows past that first step go to L2 before the
-    PDL wait.
+def gemv_config(K: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps): 4 rows per program, and 2048-wide K steps with 8 warps
+    when K is a multiple of 2048 with at least 4 steps, else 1024-wide steps with 4 warps.
 
     From `bench/gemv.py --tp 1|2 --configs ...` on an H200 (CodeLlama-34B shapes, GEMVs chained
     in a CUDA graph with PDL): 4 x 2048 x 8 reaches 96-101% of the streaming-read
@@ -115,14 +92,13 @@ def gemv_config(K: int) -> tuple[int, int, int, int]:
     rule (512-wide steps, 4-16 rows for >= 12 programs per SM) reached 82-98%.
     """
     if K < 1024:
-        return 4, next_power_of_2(K), 4, PREFETCH_BYTES
+        return 4, next_power_of_2(K), 4
     if K % 2048 == 0 and K >= 4 * 2048:
-        return 4, 2048, 8, PREFETCH_BYTES
-    return 4, 1024, 4, PREFETCH_BYTES
+        return 4, 2048, 8
+    return 4, 1024, 4
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor,
-         config: tuple[int, int, int] | tuple[int, int, int, int] | None = None,
+def gemv(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int] | None = None,
          gated: bool = False, bias: torch.Tensor | None = None,
          push: PushBuffers | None = None) -> torch.Tensor:
     """x [..., K] holding one row, weight [N, K] (unit stride in K) -> [..., N] in x's dtype
@@ -131,7 +107,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor,
     longctx.ops.silu_mul after the projection would (no bias). push: this rank's buffers of a
     push all-reduce (kernels/allreduce.py): the result, a row-parallel partial, is also pushed
     into every rank's buffer; the all-reduce call that follows must pass pushed=True. `config`
-    overrides gemv_config, for tuning sweeps ((BLOCK_N, BLOCK_K, num_warps[, prefetch]))."""
+    overrides gemv_config, for tuning sweeps."""
     N, K = weight.shape
     x1 = x.reshape(-1)
     if x1.numel() != K:
@@ -144,32 +120,23 @@ def gemv(x: torch.Tensor, weight: torch.Tensor,
     out = torch.empty(*x.shape[:-1], N // 2 if gated else N, dtype=x.dtype, device=x.device)
     if push is not None and gated:
         raise ValueError("gemv pushes plain projections only, not gated ones")
-    block_n, block_k, warps, *rest = config or gemv_config(K)
-    if len(rest) > 1:
-        raise ValueError(f"config must be (BLOCK_N, BLOCK_K, num_warps[, prefetch]), got {config}")
+    block_n, block_k, warps = config or gemv_config(K)
     buf, peers, flags, rank, slot = push if push is not None else (x1, x1, x1, 0, 0)
-    pdl = pdl_launch(x.device)
-    # The bulk prefetch takes 16-byte aligned, 16-byte multiple ranges, and helps only with PDL
-    # (sm_90+: it then overlaps the predecessor).
-    esize = weight.element_size()
-    pf_bytes = min((rest[0] if rest else 0) // block_n, (K - block_k) * esize) // 16 * 16
-    prefetch = (pdl["USE_PDL"] and pf_bytes > 0 and weight.data_ptr() % 16 == 0
-                and weight.stride(0) * esize % 16 == 0 and block_k * esize % 16 == 0)
     _gemv_kernel[(cdiv(N, block_n),)](
         x1, weight, out, x1 if bias is None else bias, N, K, weight.stride(0), buf, peers, flags,
-        rank, slot, pf_bytes, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=K % block_k == 0,
-        PREFETCH=prefetch, GATED=gated, HAS_BIAS=bias is not None, PUSH=push is not None,
+        rank, slot, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=K % block_k == 0, GATED=gated,
+        HAS_BIAS=bias is not None, PUSH=push is not None,
         **push_constexprs(x.dtype, peers.numel() if push else 0),
-        num_warps=warps, **pdl)
+        num_warps=warps, **pdl_launch(x.device))
     return out
 
 
 @triton.jit
 def _skinny_kernel(X, W, Y, BIAS, WS, ARRIVED, M, N, K, stride_xm, stride_wn, stride_ym,
-                   k_per_split, pf_bytes,
+                   k_per_split,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
-                   PREFETCH: tl.constexpr, USE_PDL: tl.constexpr):
+                   USE_PDL: tl.constexpr):
     # Y^T [N, M] = W [N, K] @ X^T [K, M] for a few rows M <= BLOCK_M: the weight tile is the
     # MMA's long side and the rows its short one, so each weight byte is read once, by one
     # program. Rows past N read row N-1 (kept in bounds, discarded at the store), as in the GEMV.
@@ -183,11 +150,6 @@ def _skinny_kernel(X, W, Y, BIAS, WS, ARRIVED, M, N, K, stride_xm, stride_wn, st
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     k_lo = tl.program_id(1) * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
-    if PREFETCH:  # the start of each row's K range into L2 while the predecessor runs
-        nbytes = tl.minimum(pf_bytes, (k_hi - k_lo) * (W.dtype.element_ty.primitive_bitwidth // 8))
-        for r in range(BLOCK_N):
-            row = tl.minimum(tl.program_id(0) * BLOCK_N + r, N - 1)
-            prefetch_l2(W + row.to(tl.int64) * stride_wn + k_lo, nbytes // 16 * 16)
     pdl_wait(USE_PDL)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         ks = k0 + offs_k
@@ -231,11 +193,10 @@ def _skinny_store(Y, BIAS, acc, offs_n, offs_m, M, N, stride_ym, HAS_BIAS: tl.co
 SKINNY_MAX_ROWS = 16
 
 
-def skinny_config(N: int, K: int) -> tuple[int, int, int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages, split_k, prefetch) of `skinny_gemm`: 64-row
-    weight tiles 128 wide, 6 loads in flight, or 4 where the outputs are few (N < 8192) or many
-    (N > 16384); K not split (split_k > 1 is untimed: tp=2's qkv, 80 tiles for 132 SMs, is its
-    candidate); `prefetch` as the GEMV's.
+def skinny_config(N: int, K: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages, split_k) of `skinny_gemm`: 64-row weight tiles
+    128 wide, 6 loads in flight, or 4 where the outputs are few (N < 8192) or many (N > 16384);
+    K not split (split_k > 1 is untimed: tp=2's qkv, 80 tiles for 132 SMs, is its candidate).
 
     From `bench/gemv.py --rows 2|4|8|16 --tp 1|2 --configs ...` on an H200 (CodeLlama-34B
     shapes, chains in a CUDA graph), with this rule's config, of the read bandwidth: tp=1 qkv
@@ -244,19 +205,17 @@ def skinny_config(N: int, K: int) -> tuple[int, int, int, int, int, int]:
     stages only (90% and 92%; cuBLAS 84% and 87%). 32-row tiles reach 89% on tp=1's qkv but
     68-81% elsewhere; the row count (2-16) moves none of these by more than 1-2%.
     """
-    stages = 4 if N < 8192 or N > 16384 else 6
-    return 64, 128, 4, stages, 1, PREFETCH_BYTES
+    return (64, 128, 4, 4, 1) if N < 8192 or N > 16384 else (64, 128, 4, 6, 1)
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                config: tuple[int, ...] | None = None) -> torch.Tensor:
+                config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """x [..., K] holding M <= 16 rows (unit stride in K), weight [N, K] (unit stride in K),
     bias [N] or None -> [..., N] in x's dtype (float32 accumulation on the tensor cores, the
     bias added before the one rounding). The projections of a decode step at batch 2-16.
     `config` overrides skinny_config, for tuning sweeps ((BLOCK_N, BLOCK_K, num_warps,
-    num_stages[, split_k[, prefetch]]): split_k > 1 splits K over that many programs per row
-    tile, whose float32 partials the last to finish sums; up to `prefetch` bytes of a program's
-    rows go to L2 before its PDL wait)."""
+    num_stages[, split_k]): split_k > 1 splits K over that many programs per row tile, whose
+    float32 partials the last to finish sums)."""
     N, K = weight.shape
     x2 = x.reshape(-1, K)
     M = x2.shape[0]
@@ -268,10 +227,9 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     block_n, block_k, warps, stages, *rest = config or skinny_config(N, K)
     split_k = rest[0] if rest else 1
-    prefetch = rest[1] if len(rest) > 1 else 0
-    if len(rest) > 2 or not (isinstance(split_k, int) and 1 <= split_k <= 64):
-        raise ValueError(f"config must be (BLOCK_N, BLOCK_K, num_warps, num_stages[, split_k"
-                         f"[, prefetch]]) with split_k an int in [1, 64], got {config}")
+    if len(rest) > 1 or not (isinstance(split_k, int) and 1 <= split_k <= 64):
+        raise ValueError(f"config must be (BLOCK_N, BLOCK_K, num_warps, num_stages[, split_k]) "
+                         f"with split_k an int in [1, 64], got {config}")
     tiles = cdiv(N, block_n)
     k_per_split = cdiv(cdiv(K, block_k), split_k) * block_k
     ws, arrived = out, out  # unused without a split
@@ -284,14 +242,9 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         else:
             ws = torch.empty(ws_elems, dtype=torch.float32, device=x.device)
             arrived = torch.zeros(n_counters, dtype=torch.int32, device=x.device)
-    pdl = pdl_launch(x.device)
-    esize = weight.element_size()
-    pf_bytes = prefetch // block_n // 16 * 16  # per row (the kernel keeps it to its K range)
-    pf = (pdl["USE_PDL"] and pf_bytes > 0 and weight.data_ptr() % 16 == 0
-          and weight.stride(0) * esize % 16 == 0 and k_per_split * esize % 16 == 0)
     _skinny_kernel[(tiles, split_k)](
         x2, weight, out, x2 if bias is None else bias, ws, arrived, M, N, K, x2.stride(0),
-        weight.stride(0), out.stride(0), k_per_split, pf_bytes, BLOCK_M=16, BLOCK_N=block_n,
+        weight.stride(0), out.stride(0), k_per_split, BLOCK_M=16, BLOCK_N=block_n,
         BLOCK_K=block_k, EVEN_K=K % block_k == 0, HAS_BIAS=bias is not None, SPLIT_K=split_k,
-        PREFETCH=pf, num_warps=warps, num_stages=stages, **pdl)
+        num_warps=warps, num_stages=stages, **pdl_launch(x.device))
     return out.view(*x.shape[:-1], N)

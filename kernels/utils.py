@@ -145,18 +145,3 @@ def pdl_wait(USE_PDL: tl.constexpr):
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def prefetch_l2(ptr, nbytes):
-    """Start bringing `nbytes` bytes from `ptr` (a scalar pointer, 16-byte aligned; nbytes a
-    multiple of 16, <= 0 skips) into L2 and go on: one TMA bulk prefetch issued by thread 0
-    (sm_90+; call it under a constexpr that is False elsewhere, the interpreter included).
-
-    For weights a kernel reads after its `pdl_wait`: while the predecessor still runs (an
-    all-reduce's NVLink round trip, a norm), HBM streams them into L2 instead of idling, and the
-    kernel's loads after the wait hit L2. Nothing waits for the prefetch or depends on it."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p, q; mov.u32 $0, %tid.x; setp.eq.u32 p, $0, 0; setp.gt.s32 q, $2, 0; "
-        "and.pred p, p, q; @p cp.async.bulk.prefetch.L2.global [$1], $2; }",
-        "=r,l,r", [ptr, nbytes], dtype=tl.int32, is_pure=False, pack=1)

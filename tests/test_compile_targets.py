@@ -187,30 +187,6 @@ def test_parallel_kernels_compile(target: str, world: int) -> None:
         _assert_loops_keep_to_registers(kernels)
 
 
-@pytest.mark.parametrize("target", TARGETS)
-def test_weight_prefetch_compiles(target: str) -> None:
-    """The GEMV's and the skinny GEMM's L2 prefetch (the configs' last value): one TMA bulk
-    prefetch per weight row on sm_90, issued before the PDL wait; none on sm_80 (no PDL to
-    overlap), where the kernels compile as without it."""
-    from longctx.kernels.gemv import gemv, skinny_gemm
-
-    w = torch.empty(8192, 8192, dtype=torch.bfloat16)
-    with compile_only(TARGETS[target]) as kernels:
-        gemv(torch.empty(1, 8192, dtype=torch.bfloat16), w, config=(4, 2048, 8, 48 * 1024))
-        gemv(torch.empty(1, 8192, dtype=torch.bfloat16), w, config=(4, 2048, 8, 48 * 1024),
-             gated=True)
-        skinny_gemm(torch.empty(8, 8192, dtype=torch.bfloat16), w,
-                    config=(64, 128, 4, 4, 1, 1 << 17))
-    for k in kernels:
-        ptx = k.asm["ptx"]
-        issued = ptx.count("cp.async.bulk.prefetch.L2.global")
-        if target == "sm80":
-            assert issued == 0, k.name
-        else:  # the GEMVs unrolled over their 4 rows, the skinny GEMM in a loop over its 64
-            assert issued == (4 if k.name == "_gemv_kernel" else 1), (k.name, issued)
-            assert ptx.index("cp.async.bulk.prefetch") < ptx.index("griddepcontrol.wait"), k.name
-
-
 def test_every_launch_says_fp_fusion(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every kernel compiles with FMA fusion although Triton's default says no: each launch
     states it (kernels/utils.py FP_FUSION), as the kernels were tested and timed, so Triton 3.9
