@@ -4,8 +4,7 @@ against longctx's Triton GEMV (kernels/gemv.py; its heuristic config and a few o
 step's bytes, so this is the ceiling a model step can reach.
 
     python bench/gemv.py [--tp 1] [--dtype bfloat16] [--shapes o down] [--configs 4,1024,4]
-    python bench/gemv.py --rows 8 [--configs 32,128,4,4 64,128,4,4,3]   # the skinny GEMM
-                                                                        # (,3: K split in 3)
+    python bench/gemv.py --rows 8 [--configs 32,128,4,4 64,128,4,4]   # the skinny GEMM
 
 Each shape is timed as a chain of linears over distinct weight copies (> 4x the L2, so every
 weight comes from HBM, as in a model step), captured in one CUDA graph and timed with
@@ -58,7 +57,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=1, help="batch rows (> 1: the skinny GEMM)")
     p.add_argument("--configs", nargs="*", default=[],
                    help="extra Triton configs: BLOCK_N,BLOCK_K,warps (GEMV, e.g. 8,512,4) or "
-                        "BLOCK_N,BLOCK_K,warps,stages[,split_k] (skinny GEMM)")
+                        "BLOCK_N,BLOCK_K,warps,stages (skinny GEMM)")
     p.add_argument("--shapes", nargs="*", default=[],
                    help="only these linears (names as printed, e.g. o down 'qkv fused')")
     a = p.parse_args()

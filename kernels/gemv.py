@@ -14,8 +14,7 @@ import triton
 import triton.language as tl
 
 from longctx.kernels.allreduce import PushBuffers, push_constexprs, push_message
-from longctx.kernels.launch import stream_counters, stream_scratch
-from longctx.kernels.utils import cdiv, cuda_index, next_power_of_2, pdl_launch, pdl_wait
+from longctx.kernels.utils import cdiv, next_power_of_2, pdl_launch, pdl_wait
 
 
 @triton.jit
@@ -132,26 +131,20 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int] | N
 
 
 @triton.jit
-def _skinny_kernel(X, W, Y, BIAS, WS, ARRIVED, M, N, K, stride_xm, stride_wn, stride_ym,
-                   k_per_split,
+def _skinny_kernel(X, W, Y, BIAS, M, N, K, stride_xm, stride_wn, stride_ym,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
-                   USE_PDL: tl.constexpr):
+                   EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr):
     # Y^T [N, M] = W [N, K] @ X^T [K, M] for a few rows M <= BLOCK_M: the weight tile is the
     # MMA's long side and the rows its short one, so each weight byte is read once, by one
-    # program. Rows past N read row N-1 (kept in bounds, discarded at the store), as in the GEMV.
-    # SPLIT_K > 1: program (n, s) takes K's s-th range of k_per_split (a multiple of BLOCK_K),
-    # for weights with too few row tiles to fill the GPU; each stores its float32 partial in WS
-    # and the last of a tile's programs to arrive sums them, in split order, and stores Y.
+    # program, and no split-K partials need a second pass. Rows past N read row N-1 (kept in
+    # bounds, discarded at the store), as in the GEMV.
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(offs_n, N - 1).to(tl.int64) * stride_wn
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    k_lo = tl.program_id(1) * k_per_split
-    k_hi = tl.minimum(k_lo + k_per_split, K)
     pdl_wait(USE_PDL)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
+    for k0 in range(0, K, BLOCK_K):
         ks = k0 + offs_k
         if EVEN_K:
             w = tl.load(W + rows[:, None] + ks[None, :], eviction_policy="evict_first")
@@ -161,29 +154,6 @@ def _skinny_kernel(X, W, Y, BIAS, WS, ARRIVED, M, N, K, stride_xm, stride_wn, st
         xt = tl.load(X + offs_m[None, :] * stride_xm + ks[:, None],
                      mask=(offs_m < M)[None, :] & (ks < K)[:, None], other=0.0)
         acc = tl.dot(w, xt, acc)
-    if SPLIT_K > 1:
-        # The decode kernel's fused-merge handshake (CUTLASS's split-K semaphore): the barrier
-        # orders every warp's stores before the one atomic, whose release publishes them; its
-        # acquire, passed to the other warps by the second barrier, orders the reads after.
-        tile = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + offs_m[None, :]
-        part = tl.program_id(0).to(tl.int64) * BLOCK_N * BLOCK_M
-        step = tl.num_programs(0).to(tl.int64) * BLOCK_N * BLOCK_M  # one split's partials
-        tl.store(WS + tl.program_id(1) * step + part + tile, acc)
-        tl.debug_barrier()
-        counter = ARRIVED + tl.program_id(0)
-        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
-            tl.debug_barrier()
-            tl.store(counter, 0)  # zero again for the next launch (stream order)
-            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-            for i in tl.static_range(SPLIT_K):  # split order: the same bits whoever is last
-                acc += tl.load(WS + i * step + part + tile)
-            _skinny_store(Y, BIAS, acc, offs_n, offs_m, M, N, stride_ym, HAS_BIAS)
-    else:
-        _skinny_store(Y, BIAS, acc, offs_n, offs_m, M, N, stride_ym, HAS_BIAS)
-
-
-@triton.jit
-def _skinny_store(Y, BIAS, acc, offs_n, offs_m, M, N, stride_ym, HAS_BIAS: tl.constexpr):
     if HAS_BIAS:
         acc += tl.load(BIAS + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[:, None]
     tl.store(Y + offs_m[None, :] * stride_ym + offs_n[:, None], acc.to(Y.dtype.element_ty),
@@ -193,10 +163,9 @@ def _skinny_store(Y, BIAS, acc, offs_n, offs_m, M, N, stride_ym, HAS_BIAS: tl.co
 SKINNY_MAX_ROWS = 16
 
 
-def skinny_config(N: int, K: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages, split_k) of `skinny_gemm`: 64-row weight tiles
-    128 wide, 6 loads in flight, or 4 where the outputs are few (N < 8192) or many (N > 16384);
-    K not split (split_k > 1 is untimed: tp=2's qkv, 80 tiles for 132 SMs, is its candidate).
+def skinny_config(N: int, K: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) of `skinny_gemm`: 64-row weight tiles 128 wide,
+    6 loads in flight, or 4 where the outputs are few (N < 8192) or many (N > 16384).
 
     From `bench/gemv.py --rows 2|4|8|16 --tp 1|2 --configs ...` on an H200 (CodeLlama-34B
     shapes, chains in a CUDA graph), with this rule's config, of the read bandwidth: tp=1 qkv
@@ -205,7 +174,7 @@ def skinny_config(N: int, K: int) -> tuple[int, int, int, int, int]:
     stages only (90% and 92%; cuBLAS 84% and 87%). 32-row tiles reach 89% on tp=1's qkv but
     68-81% elsewhere; the row count (2-16) moves none of these by more than 1-2%.
     """
-    return (64, 128, 4, 4, 1) if N < 8192 or N > 16384 else (64, 128, 4, 6, 1)
+    return (64, 128, 4, 4) if N < 8192 or N > 16384 else (64, 128, 4, 6)
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -213,9 +182,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     """x [..., K] holding M <= 16 rows (unit stride in K), weight [N, K] (unit stride in K),
     bias [N] or None -> [..., N] in x's dtype (float32 accumulation on the tensor cores, the
     bias added before the one rounding). The projections of a decode step at batch 2-16.
-    `config` overrides skinny_config, for tuning sweeps ((BLOCK_N, BLOCK_K, num_warps,
-    num_stages[, split_k]): split_k > 1 splits K over that many programs per row tile, whose
-    float32 partials the last to finish sums)."""
+    `config` overrides skinny_config, for tuning sweeps."""
     N, K = weight.shape
     x2 = x.reshape(-1, K)
     M = x2.shape[0]
@@ -225,26 +192,9 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if bias is not None and (bias.shape != (N,) or bias.stride(0) != 1):
         raise ValueError(f"bias must be contiguous [{N}], got {tuple(bias.shape)}")
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    block_n, block_k, warps, stages, *rest = config or skinny_config(N, K)
-    split_k = rest[0] if rest else 1
-    if len(rest) > 1 or not (isinstance(split_k, int) and 1 <= split_k <= 64):
-        raise ValueError(f"config must be (BLOCK_N, BLOCK_K, num_warps, num_stages[, split_k]) "
-                         f"with split_k an int in [1, 64], got {config}")
-    tiles = cdiv(N, block_n)
-    k_per_split = cdiv(cdiv(K, block_k), split_k) * block_k
-    ws, arrived = out, out  # unused without a split
-    if split_k > 1:
-        ws_elems, n_counters = split_k * tiles * block_n * 16, tiles
-        if x.is_cuda:  # the stream's own, reused (kernels/launch.py): no allocation per call
-            dev = cuda_index(x.device)
-            ws = stream_scratch(4 * ws_elems, dev, "skinny_split_k").view(torch.float32)
-            arrived = stream_counters(n_counters, dev)
-        else:
-            ws = torch.empty(ws_elems, dtype=torch.float32, device=x.device)
-            arrived = torch.zeros(n_counters, dtype=torch.int32, device=x.device)
-    _skinny_kernel[(tiles, split_k)](
-        x2, weight, out, x2 if bias is None else bias, ws, arrived, M, N, K, x2.stride(0),
-        weight.stride(0), out.stride(0), k_per_split, BLOCK_M=16, BLOCK_N=block_n,
-        BLOCK_K=block_k, EVEN_K=K % block_k == 0, HAS_BIAS=bias is not None, SPLIT_K=split_k,
-        num_warps=warps, num_stages=stages, **pdl_launch(x.device))
+    block_n, block_k, warps, stages = config or skinny_config(N, K)
+    _skinny_kernel[(cdiv(N, block_n),)](
+        x2, weight, out, x2 if bias is None else bias, M, N, K, x2.stride(0), weight.stride(0),
+        out.stride(0), BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=K % block_k == 0,
+        HAS_BIAS=bias is not None, num_warps=warps, num_stages=stages, **pdl_launch(x.device))
     return out.view(*x.shape[:-1], N)

@@ -153,11 +153,10 @@ def test_decode_launches_compile(target: str) -> None:
 @pytest.mark.parametrize("target", TARGETS)
 def test_parallel_kernels_compile(target: str, world: int) -> None:
     """The kernels of the tensor-parallel decode (the push all-reduce, plain and fused with the
-    residual add and RMSNorm, the GEMV pushing its partial, the batch-8 skinny GEMM with K split
-    in 3 at the qkv shape) and of the ring prefill (the copy-engine ring's flags, merging into a
-    running state)."""
+    residual add and RMSNorm, the GEMV pushing its partial) and of the ring prefill (the
+    copy-engine ring's flags, merging into a running state)."""
     from longctx.kernels.allreduce import PushBuffers, push_all_reduce
-    from longctx.kernels.gemv import gemv, skinny_gemm
+    from longctx.kernels.gemv import gemv
     from longctx.kernels.merge import merge_into_triton
     from longctx.kernels.ring_sync import ring_sync
 
@@ -172,16 +171,13 @@ def test_parallel_kernels_compile(target: str, world: int) -> None:
              torch.empty(n, 4096, dtype=torch.bfloat16), push=bufs)
         push_all_reduce(x, bufs, residual=x, norm_weight=w, eps=1e-5, pushed=True)
         push_all_reduce(torch.empty(8, n, dtype=torch.bfloat16), bufs)
-        skinny_gemm(torch.empty(8, n, dtype=torch.bfloat16),
-                    torch.empty((64 + 16) // world * 128, n, dtype=torch.bfloat16),
-                    config=(64, 128, 4, 4, 3))
         flags = torch.zeros(4, dtype=torch.int32)
         ring_sync(flags, flags, flags, arrived=(0, 1), free=(1, 1), wait_arrived=(0, 1),
                   wait_free=(1, 1))
         merge_into_triton(torch.empty(1, 64, 8, 128), torch.empty(1, 64, 8),
                           torch.empty(1, 64, 8, 128, dtype=torch.bfloat16),
                           torch.empty(1, 64, 8))
-    assert {"_gemv_kernel", "_push_all_reduce_kernel", "_skinny_kernel", "_ring_sync_kernel",
+    assert {"_gemv_kernel", "_push_all_reduce_kernel", "_ring_sync_kernel",
             "_merge_into_kernel"} <= _names(kernels)
     if target == "sm90":
         _assert_loops_keep_to_registers(kernels)

@@ -317,35 +317,6 @@ def test_skinny_gemm(M, N, K, bias, dtype, device):
 
 @pytest.mark.gpu
 @pytest.mark.interpreter
-@pytest.mark.parametrize("dtype", HALF)
-@pytest.mark.parametrize("M,N,K,split_k,bias", [
-    (8, 130, 256, 2, True),    # a masked row tile, K in two BLOCK_K halves
-    (3, 64, 200, 3, False),    # a K tail; the third split's range is empty
-    (16, 37, 1536, 4, True),   # more splits than row tiles
-])
-def test_skinny_gemm_split_k(M, N, K, split_k, bias, dtype, device):
-    """skinny_gemm with K split over programs (config's fifth value): against float64 within 2x
-    torch's error; the same bits on a second call (the partials summed in split order, the
-    arrival counters left at zero for it); refused split counts named."""
-    from longctx.kernels.gemv import skinny_gemm
-
-    w = torch.randn(N, K, device=device).to(dtype)
-    x = torch.randn(M, K, device=device).to(dtype)
-    b = (torch.randn(N, device=device) * 4).to(dtype) if bias else None
-    want = x.double() @ w.double().T + (b.double() if bias else 0)
-    cfg = (64, 128, 4, 2, split_k)
-    got = skinny_gemm(x, w, b, config=cfg)
-    plain = torch.nn.functional.linear(x.float(), w.float(), b.float() if bias else None).to(dtype)
-    err, err_plain = (got.double() - want).abs().max(), (plain.double() - want).abs().max()
-    assert err <= 2 * err_plain + 1e-6, (err, err_plain)
-    assert torch.equal(skinny_gemm(x, w, b, config=cfg), got)
-    for bad in ((64, 128, 4, 2, 0), (64, 128, 4, 2, 2, 1), (64, 128, 4, 2, 1.5)):
-        with pytest.raises(ValueError, match="split_k"):
-            skinny_gemm(x, w, b, config=bad)
-
-
-@pytest.mark.gpu
-@pytest.mark.interpreter
 @pytest.mark.parametrize("I,K", [(37, 100), (65, 700), (32, 1536)])
 def test_linear_silu_mul_gated_gemv(I, K, device):
     """The gated batch-1 GEMV (silu(gate) * up in its epilogue) against float64, within 2x the
