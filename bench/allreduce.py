@@ -4,9 +4,12 @@ at 16 KiB (one bf16 row of 8192: batch 1) and at batch 8 (8 rows, 128 KiB); then
 GEMV, as in a decode step: o_proj-shaped GEMVs ([8192, 8192 / W]) each followed by the sum and
 the norm, against the GEMVs alone (the difference is the time the sums add to a step).
 
-    torchrun --nproc_per_node=2 bench/allreduce.py [--chain 96] [--out result.json] [--warps 8 32]
+    torchrun --nproc_per_node=2 bench/allreduce.py [--chain 96] [--out result.json]
+                                                   [--warps 8 32] [--early]
 
---warps adds the push kernel at those warps per row beside its rule's (16 at 8192 columns).
+--warps adds the push kernel at those warps per row beside its rule's (16 at 8192 columns);
+--early the pushing GEMV with the push kernel's other release point (parallel/allreduce.py
+EARLY_FROM_RANKS).
 
 Each variant is a chain of `chain` calls captured in one CUDA graph (a decode step makes 96 at
 CodeLlama-34B), replayed `reps` times after a barrier; the median replay over `chain` is
@@ -88,6 +91,9 @@ def main() -> None:
     p.add_argument("--out", default=None)
     p.add_argument("--warps", type=int, nargs="*", default=[],
                    help="the push kernel also at these warps per row")
+    p.add_argument("--early", action="store_true",
+                   help="also the pushing GEMV with the push kernel's other release point "
+                        "(early where its rule says late, and the reverse)")
     a = p.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
@@ -142,6 +148,11 @@ def main() -> None:
         comm = comms[f"push, {nw} warps"]
         layer[f"GEMV pushing + fused, {nw} warps"] = lambda comm=comm: comm.add_rms_norm(
             res, gemv(h, w(), push=comm.bufs), weight, 1e-5, pushed=True)
+    if a.early:
+        other = not push.early
+        comm = PushAllReduce.symmetric(group, device, dt, DIM, early=other)
+        layer[f"GEMV pushing + fused, {'early' if other else 'late'}"] = lambda: \
+            comm.add_rms_norm(res, gemv(h, w(), push=comm.bufs), weight, 1e-5, pushed=True)
     gemv_rows = {name: graph_us(fn, a.chain) for name, fn in layer.items()}
     if rank == 0:
         print(f"{torch.cuda.get_device_name()} x{world}, bf16, chains of {a.chain} calls in one "

@@ -21,8 +21,9 @@ FLAGS (int32 [4], this rank's own): [0] call count, [1] elements of the previous
 programs that have read [0] and [1] in the current call (the last of them advances both).
 
 Programmatic dependent launch: once its predecessor has completed, the kernel lets its dependent
-(the next GEMV) launch, so that kernel's first weight tiles stream while this one waits for the
-peers.
+(the next GEMV) launch, so that kernel's first weight tiles stream while this one works. After a
+GEMV that pushed its output itself, that release comes either once the sum is in (the default)
+or, with `early`, as soon as the GEMV has ended, before the wait for the peers.
 """
 
 from __future__ import annotations
@@ -126,7 +127,7 @@ def _push_all_reduce_kernel(
         rank, N, slot, eps,
         WORLD: tl.constexpr, BLOCK: tl.constexpr, IDT: tl.constexpr, MARK: tl.constexpr,
         HAS_NORM: tl.constexpr, PUSHED: tl.constexpr, USE_PDL: tl.constexpr,
-        WORLD_P2: tl.constexpr):
+        WORLD_P2: tl.constexpr, EARLY: tl.constexpr):
     # One program per row of the message [M, N]. Without HAS_NORM: Y = sum over ranks of X.
     # With HAS_NORM: s = sum (rounded to the dtype, as an all-reduce returns it), S = R + s
     # (rounded: the new residual), Y = rms_norm(S) * NW, as longctx.ops.rms_norm rounds.
@@ -166,6 +167,11 @@ def _push_all_reduce_kernel(
         for start in range(row * BLOCK, prev, step):
             start = tl.multiple_of(start, VEC)
             tl.store(base + start + offs, MARK, mask=start + offs < prev)
+    if USE_PDL and PUSHED and EARLY:
+        # The GEMV has ended here: the next one's programs launch and load their first weights
+        # while this one waits for the peers.
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     srcs = tl.arange(0, WORLD_P2)
     ptrs = BUF + (rnd * WORLD + srcs)[:, None].to(tl.int64) * slot + at[None, :]
     v = _wait_slots(ptrs, (srcs < WORLD)[:, None] & mask[None, :], MARK)
@@ -175,7 +181,7 @@ def _push_all_reduce_kernel(
         # Rank src's row (the other rows masked to +0.0, which adds exactly nothing): the sum in
         # rank order, the same bits on every rank.
         acc += tl.sum(tl.where((srcs == src)[:, None], v, 0.0), axis=0)
-    if USE_PDL and PUSHED:
+    if USE_PDL and PUSHED and not EARLY:
         # Every rank's GEMV has pushed: this one is ending. Wait for it before writing
         # (memory it may still read), then let the next GEMV launch.
         tl.extra.cuda.gdc_wait()
@@ -197,7 +203,7 @@ def _push_all_reduce_kernel(
 
 def push_all_reduce(x: torch.Tensor, bufs: PushBuffers, *, residual: torch.Tensor | None = None,
                     norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-                    pushed: bool = False, num_warps: int | None = None):
+                    pushed: bool = False, num_warps: int | None = None, early: bool = False):
     """Sum over the ranks of x [M, N] (this rank's partial, unit stride in N), through the
     push protocol of this module, with this rank's `bufs` (M * N <= bufs.slot).
 
@@ -206,8 +212,9 @@ def push_all_reduce(x: torch.Tensor, bufs: PushBuffers, *, residual: torch.Tenso
     longctx.ops.rms_norm(residual, w, eps, add=sum) rounds; else the sum [M, N]. The sum is in
     float32 in rank order, rounded once: the same bits on every rank. pushed: x's producer
     already pushed it (x is not read). num_warps: each row's program's warps (None: 4 to 16,
-    one per 512 columns; a power of two). Every rank must make the same calls in the same order
-    with the same M and N.
+    one per 512 columns; a power of two). early (with pushed): let the next kernel launch once
+    the GEMV has ended, before the wait for the peers' data (else after it). Every rank must
+    make the same calls in the same order with the same M and N.
     """
     M, N = x.shape
     if M * N > bufs.slot:
@@ -225,6 +232,6 @@ def push_all_reduce(x: torch.Tensor, bufs: PushBuffers, *, residual: torch.Tenso
         x, x.stride(0), r, r.stride(0), s, s.stride(0), norm_weight if has_norm else x, out,
         out.stride(0), bufs.buf, bufs.peers, bufs.flags, bufs.rank, N, bufs.slot, eps,
         BLOCK=BLOCK, **push_constexprs(x.dtype, bufs.peers.numel()), HAS_NORM=has_norm,
-        PUSHED=pushed, WORLD_P2=next_power_of_2(bufs.peers.numel()),
+        PUSHED=pushed, WORLD_P2=next_power_of_2(bufs.peers.numel()), EARLY=early,
         num_warps=num_warps, **pdl_launch(x.device))
     return (s, out) if has_norm else out

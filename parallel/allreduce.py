@@ -28,6 +28,12 @@ log = logging.getLogger("longctx")
 # Rows a decode step's message may have (batch x 1 position); larger go to NCCL.
 MAX_ROWS = 16
 
+# From this many ranks the push kernel after a pushing GEMV lets the next GEMV launch as soon as
+# its own GEMV has ended, before waiting for the peers' data; with fewer, after that wait.
+# CodeLlama-34B at 16k, 4x H100 (bench/results/allreduce-early-h100x4.txt): tp=4 146.8 tok/s
+# early against 145.4, tp=2 80.7 against 80.8 (two runs each, every pair the same).
+EARLY_FROM_RANKS = 4
+
 
 class NcclAllReduce:
     """The sums through NCCL (or gloo on CPU): all_reduce, then the norm kernel."""
@@ -62,14 +68,18 @@ class PushAllReduce(NcclAllReduce):
     bufs: this rank's PushBuffers (messages of `dtype`); `symmetric` allocates them in torch
     symmetric memory. `keepalive` holds what owns the buffers. push_gemv: `linear` lets a
     batch-1 GEMV push its output itself. num_warps: the push kernel's warps per row (None: its
-    rule; bench/allreduce.py `--warps` times others).
+    rule; bench/allreduce.py `--warps` times others). early: the push kernel after a pushing
+    GEMV lets the next kernel launch before it waits for the peers, not after
+    (`push_all_reduce`); None: where the group has 4 or more ranks (EARLY_FROM_RANKS).
     """
 
     def __init__(self, group, bufs: PushBuffers, dtype: torch.dtype, keepalive: object = None,
-                 push_gemv: bool = False, num_warps: int | None = None) -> None:
+                 push_gemv: bool = False, num_warps: int | None = None,
+                 early: bool | None = None) -> None:
         super().__init__(group)
         self.bufs, self.dtype, self.keepalive = bufs, dtype, keepalive
         self.num_warps = num_warps  # the push kernel's (None: its rule)
+        self.early = bufs.peers.numel() >= EARLY_FROM_RANKS if early is None else early
         self.device = bufs.buf.device
         self.push_gemv = push_gemv
         self.name = "push_gemv" if push_gemv else "push"
@@ -77,7 +87,8 @@ class PushAllReduce(NcclAllReduce):
 
     @classmethod
     def symmetric(cls, group, device: torch.device, dtype: torch.dtype, dim: int,
-                  push_gemv: bool = False, num_warps: int | None = None) -> "PushAllReduce":
+                  push_gemv: bool = False, num_warps: int | None = None,
+                  early: bool | None = None) -> "PushAllReduce":
         """Buffers for messages of up to MAX_ROWS x dim elements in torch symmetric memory,
         mapped between the GPUs of `group` (one host). Collective over the group."""
         import torch.distributed._symmetric_memory as symm_mem
@@ -94,7 +105,7 @@ class PushAllReduce(NcclAllReduce):
         dist.barrier(group=group)  # every buffer holds marks before anyone pushes
         bufs = PushBuffers.from_addresses(buf, list(handle.buffer_ptrs), dist.get_rank(group),
                                           slot)
-        return cls(group, bufs, dtype, handle, push_gemv, num_warps)
+        return cls(group, bufs, dtype, handle, push_gemv, num_warps, early)
 
     def carries(self, x: torch.Tensor) -> bool:
         """Whether the push kernel takes x (else NCCL): the buffers' dtype and device, at most
@@ -140,7 +151,7 @@ class PushAllReduce(NcclAllReduce):
         N = partial.shape[-1]
         s, y = push_all_reduce(partial.reshape(-1, N), self.bufs,
                                residual=residual.reshape(-1, N), norm_weight=weight, eps=eps,
-                               pushed=pushed, num_warps=self.num_warps)
+                               pushed=pushed, num_warps=self.num_warps, early=self.early)
         return s.view(partial.shape), y.view(partial.shape)
 
 

@@ -169,7 +169,9 @@ def test_parallel_kernels_compile(target: str, world: int) -> None:
     with compile_only(TARGETS[target]) as kernels:
         gemv(torch.empty(1, 4096, dtype=torch.bfloat16),
              torch.empty(n, 4096, dtype=torch.bfloat16), push=bufs)
-        push_all_reduce(x, bufs, residual=x, norm_weight=w, eps=1e-5, pushed=True)
+        for early in (False, True):
+            push_all_reduce(x, bufs, residual=x, norm_weight=w, eps=1e-5, pushed=True,
+                            early=early)
         push_all_reduce(torch.empty(8, n, dtype=torch.bfloat16), bufs)
         flags = torch.zeros(4, dtype=torch.int32)
         ring_sync(flags, flags, flags, arrived=(0, 1), free=(1, 1), wait_arrived=(0, 1),

@@ -4,7 +4,8 @@ unfused torch composition (the sum over ranks in float32, rounded; the residual 
 - many calls in a row, plain sums and fused norms, 1-16 rows and back (each call clears the
   previous call's round: a larger call before a smaller one), eagerly, replayed from a CUDA
   graph with fresh inputs (7 calls per graph: not a multiple of the 3 rounds) and mixed;
-- the GEMV that pushes its own output, then the fused norm that only waits;
+- the GEMV that pushes its own output, then the fused norm that only waits (releasing the next
+  kernel before or after its wait for the peers);
 - the same bits on every rank; more than the buffers hold goes to NCCL;
 - a stale read is caught: with one round's clearing undone on rank 0 and rank 1 late, rank 0's
   result must differ from the reference (the comparison would see a broken protocol).
@@ -130,16 +131,22 @@ def _worker(rank, world):
                 p = gemv(x, w, push=comm.bufs)
                 return p, comm.add_rms_norm(r, p, weight, 1e-5, pushed=True)
 
-            for rep in range(5):
-                p, got = pushed_layer()
-                _check(got, _torch_reference(p, r, weight, 1e-5), f"gemv push eager {rep}", weight)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                p, got = pushed_layer()
-            for rep in range(10):
-                x.copy_(torch.randn(1, K, device=device, generator=g))
-                graph.replay()
-                _check(got, _torch_reference(p, r, weight, 1e-5), f"gemv push replay {rep}", weight)
+            rule = comm.early
+            for early in (rule, not rule):  # both points where the next kernel is released
+                comm.early = early
+                for rep in range(5):
+                    p, got = pushed_layer()
+                    _check(got, _torch_reference(p, r, weight, 1e-5),
+                           f"gemv push eager {rep} (early={early})", weight)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    p, got = pushed_layer()
+                for rep in range(10):
+                    x.copy_(torch.randn(1, K, device=device, generator=g))
+                    graph.replay()
+                    _check(got, _torch_reference(p, r, weight, 1e-5),
+                           f"gemv push replay {rep} (early={early})", weight)
+            comm.early = rule
         # Larger than a slot: NCCL in place.
         big = torch.ones(comm.bufs.slot + DIM, device=device, dtype=dtype)
         assert torch.equal(comm.all_reduce(big), torch.full_like(big, float(world)))
