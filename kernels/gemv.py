@@ -5,9 +5,8 @@ bandwidth. Where an SM holds few programs (<= SHARES_PER_SM), as many run as the
 once, each taking an equal share of the rows (so that all end together: no partly filled last
 wave of programs); else one program per chunk of BLOCK_N rows. Each walks K in BLOCK_K steps,
 multiplying in fp32 into a [BLOCK_N, BLOCK_K] register tile that is summed once at the end (no
-per-step reductions); wide K steps (1-2K elements of 4 rows per load) keep enough
-bytes in flight per program to cover HBM latency, and the first step's weights load before the
-PDL wait.
+per-step reductions); wide K steps (1-2K elements of 4 rows per load) keep enough bytes in flight
+per program to cover HBM latency, and the first step's weights load before the PDL wait.
 """
 
 from __future__ import annotations
