@@ -4,7 +4,6 @@ against longctx's Triton GEMV (kernels/gemv.py; its heuristic config and a few o
 step's bytes, so this is the ceiling a model step can reach.
 
     python bench/gemv.py [--tp 1] [--dtype bfloat16] [--shapes o down] [--configs 4,1024,4]
-                         [--chunk-programs]
     python bench/gemv.py --rows 8 [--configs 32,128,4,4 64,128,4,4]   # the skinny GEMM
 
 Each shape is timed as a chain of linears over distinct weight copies (> 4x the L2, so every
@@ -59,9 +58,6 @@ def main() -> None:
     p.add_argument("--configs", nargs="*", default=[],
                    help="extra Triton configs: BLOCK_N,BLOCK_K,warps (GEMV, e.g. 8,512,4) or "
                         "BLOCK_N,BLOCK_K,warps,stages (skinny GEMM)")
-    p.add_argument("--chunk-programs", action="store_true",
-                   help="also the GEMV launching one program per BLOCK_N rows (its layout before "
-                        "the programs took equal shares: a partly filled last wave)")
     p.add_argument("--shapes", nargs="*", default=[],
                    help="only these linears (names as printed, e.g. o down 'qkv fused')")
     a = p.parse_args()
@@ -83,8 +79,6 @@ def main() -> None:
           f"  {a.rows} row(s)")
     kernel = gemv if a.rows == 1 else skinny_gemm
     variants = {"cuBLAS": F.linear, "triton": kernel}
-    if a.chunk_programs and a.rows == 1:
-        variants["triton, a chunk each"] = functools.partial(gemv, programs=1 << 30)
     for cfg in a.configs:
         variants[f"triton {cfg}"] = functools.partial(kernel, config=tuple(int(v) for v in cfg.split(",")))
     print(f"{'linear':<14} {'out x in':>14} {'MB':>7} {'floor µs':>9}  " +

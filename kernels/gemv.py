@@ -1,12 +1,10 @@
 """Matrix-vector product for batch-1 decoding: y [1, N] = x [1, K] @ W[N, K]^T (+ bias [N]).
 
 At batch 1 a linear layer is a pure stream of its weights, so the ceiling is the HBM read
-bandwidth. Where an SM holds few programs (<= SHARES_PER_SM), as many run as the GPU holds at
-once, each taking an equal share of the rows (so that all end together: no partly filled last
-wave of programs); else one program per chunk of BLOCK_N rows. Each walks K in BLOCK_K steps,
-multiplying in fp32 into a [BLOCK_N, BLOCK_K] register tile that is summed once at the end (no
-per-step reductions); wide K steps (1-2K elements of 4 rows per load) keep enough bytes in flight
-per program to cover HBM latency, and the first step's weights load before the PDL wait.
+bandwidth. Each program owns BLOCK_N rows of W and walks K in BLOCK_K steps, multiplying in
+fp32 into a [BLOCK_N, BLOCK_K] register tile that is summed once at the end (no per-step
+reductions); wide K steps (1-2K elements of 4 rows per load) keep enough bytes in flight per
+program to cover HBM latency, and the first step's weights load before the PDL wait.
 """
 
 from __future__ import annotations
@@ -16,8 +14,7 @@ import triton
 import triton.language as tl
 
 from longctx.kernels.allreduce import PushBuffers, push_constexprs, push_message
-from longctx.kernels.utils import (cdiv, device_sms, next_power_of_2, pdl_launch, pdl_wait,
-                                   resident_programs)
+from longctx.kernels.utils import cdiv, next_power_of_2, pdl_launch, pdl_wait
 
 
 @triton.jit
@@ -36,101 +33,50 @@ def _load_x(X, ks, K, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _chunk(c, hi, n_out, stride_wn, BLOCK_N: tl.constexpr, GATED: tl.constexpr):
-    # The chunk of outputs from c: (their offsets, the weight rows' offsets). Outputs at or past
-    # hi (this program's end) read row hi-1 instead (in bounds, discarded at the store): no mask
-    # on the hot loads. GATED: BLOCK_N/2 outputs, each a gate row [0, n_out) and its up row
-    # [n_out, 2 n_out), interleaved.
+def _gemv_kernel(X, W, Y, BIAS, N, K, stride_wn, BUF, PEERS, FLAGS, rank, slot,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                 GATED: tl.constexpr, HAS_BIAS: tl.constexpr, PUSH: tl.constexpr,
+                 WORLD: tl.constexpr, IDT: tl.constexpr, MARK: tl.constexpr,
+                 USE_PDL: tl.constexpr):
+    # GATED: W stacks gate rows [0, N/2) over up rows [N/2, N) and Y gets silu(gate) * up
+    # [N/2]. Each program then takes BLOCK_N/2 outputs, interleaving their gate and up rows.
     if GATED:
+        n_out = N // 2
         j = tl.arange(0, BLOCK_N)
-        offs_o = c + tl.arange(0, BLOCK_N // 2)
-        rows = tl.minimum(c + j // 2, hi - 1) + (j % 2) * n_out
+        offs_o = tl.program_id(0) * (BLOCK_N // 2) + j // 2
+        rows = tl.minimum(offs_o, n_out - 1) + (j % 2) * n_out
     else:
-        offs_o = c + tl.arange(0, BLOCK_N)
-        rows = tl.minimum(offs_o, hi - 1)
-    return offs_o, rows.to(tl.int64) * stride_wn
-
-
-@triton.jit
-def _chunk_out(X, W, Y, BIAS, w, rows, offs_o, hi, K, BUF, PEERS, rnd, rank, slot,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-               GATED: tl.constexpr, HAS_BIAS: tl.constexpr, PUSH: tl.constexpr,
-               WORLD: tl.constexpr, IDT: tl.constexpr, MARK: tl.constexpr):
-    # One chunk's outputs, its first weight tile w already loaded: the dot products in fp32
-    # into a [BLOCK_N, BLOCK_K] register tile summed once at the end, then the epilogue.
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        # Rows past N read row N-1 (in bounds, discarded at the store): no mask on hot loads.
+        rows = tl.minimum(offs_n, N - 1)
+    rows = rows.to(tl.int64) * stride_wn
     offs_k = tl.arange(0, BLOCK_K)
+    # No kernel writes the weights: the first tile's load is issued before the PDL wait, so it
+    # overlaps the previous kernel's tail; x comes from that kernel and is read after.
+    w = _load_w(W, rows, offs_k, K, EVEN_K)
+    pdl_wait(USE_PDL)
     acc = w.to(tl.float32) * _load_x(X, offs_k, K, EVEN_K)[None, :]
     for k0 in range(BLOCK_K, K, BLOCK_K):
         ks = k0 + offs_k
         acc += _load_w(W, rows, ks, K, EVEN_K).to(tl.float32) * _load_x(X, ks, K, EVEN_K)[None, :]
     y = tl.sum(acc, axis=1)
-    mask = offs_o < hi
     if HAS_BIAS:  # (not GATED) added to the float32 sums: one rounding, as cuBLAS's epilogue
-        y += tl.load(BIAS + offs_o, mask=mask, other=0.0).to(tl.float32)
+        y += tl.load(BIAS + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
     y = y.to(Y.dtype.element_ty)
     if GATED:
         # Rounded as the unfused ops round: projection output, silu(gate), then the product.
         g, u = tl.split(tl.reshape(y, [BLOCK_N // 2, 2]))
         g = g.to(tl.float32)
         a = (g / (1.0 + tl.exp(-g))).to(Y.dtype.element_ty).to(tl.float32)
-        tl.store(Y + offs_o, (a * u.to(tl.float32)).to(Y.dtype.element_ty), mask=mask)
+        offs_o = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        tl.store(Y + offs_o, (a * u.to(tl.float32)).to(Y.dtype.element_ty), mask=offs_o < n_out)
     else:
-        tl.store(Y + offs_o, y, mask=mask)
+        tl.store(Y + offs_n, y, mask=offs_n < N)
         if PUSH:
             # A row-parallel partial: also straight into every rank's all-reduce buffer
             # (kernels/allreduce.py), so the reduction need not wait for this kernel to end.
-            push_message(BUF, PEERS, rnd, y, offs_o, mask, rank, slot, WORLD, IDT, MARK)
-
-
-@triton.jit
-def _gemv_kernel(X, W, Y, BIAS, N, K, stride_wn, BUF, PEERS, FLAGS, rank, slot,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                 GATED: tl.constexpr, HAS_BIAS: tl.constexpr, PUSH: tl.constexpr,
-                 WORLD: tl.constexpr, IDT: tl.constexpr, MARK: tl.constexpr,
-                 USE_PDL: tl.constexpr):
-    # n_out outputs (GATED: W stacks gate rows [0, N/2) over up rows [N/2, N) and Y gets
-    # silu(gate) * up [N/2]), in chunks of `per` (BLOCK_N rows). The P programs take rounds of P
-    # adjacent chunks, program p the p-th of each (the GPU streams one region of W at a time),
-    # then split what is left, fewer than P chunks' worth, evenly: with P what the GPU holds at
-    # once, all end together, where one chunk per program leaves a partly filled last wave.
-    if GATED:
-        n_out = N // 2
-        per = BLOCK_N // 2
-    else:
-        n_out = N
-        per = BLOCK_N
-    P = tl.num_programs(0)
-    pid = tl.program_id(0)
-    rounds = n_out // (per * P)
-    base = rounds * per * P
-    rest = n_out - base
-    tail_lo = base + (pid * rest) // P
-    tail_hi = base + ((pid + 1) * rest) // P
-    if rounds > 0:
-        c, hi = pid * per, n_out
-    else:
-        c, hi = tail_lo, tail_hi
-    offs_o, rows = _chunk(c, hi, n_out, stride_wn, BLOCK_N, GATED)
-    # No kernel writes the weights: the first tile's load is issued before the PDL wait, so it
-    # overlaps the previous kernel's tail; x comes from that kernel and is read after.
-    w = _load_w(W, rows, tl.arange(0, BLOCK_K), K, EVEN_K)
-    pdl_wait(USE_PDL)
-    rnd = 0
-    if PUSH:
-        rnd = tl.load(FLAGS, volatile=True) % 3  # the all-reduce round (kernels/allreduce.py)
-    # (never empty: the host launches at most one program per chunk)
-    _chunk_out(X, W, Y, BIAS, w, rows, offs_o, hi, K, BUF, PEERS, rnd, rank, slot, BLOCK_N,
-               BLOCK_K, EVEN_K, GATED, HAS_BIAS, PUSH, WORLD, IDT, MARK)
-    for r in range(1, rounds):
-        offs_o, rows = _chunk((r * P + pid) * per, n_out, n_out, stride_wn, BLOCK_N, GATED)
-        w = _load_w(W, rows, tl.arange(0, BLOCK_K), K, EVEN_K)
-        _chunk_out(X, W, Y, BIAS, w, rows, offs_o, n_out, K, BUF, PEERS, rnd, rank, slot,
-                   BLOCK_N, BLOCK_K, EVEN_K, GATED, HAS_BIAS, PUSH, WORLD, IDT, MARK)
-    if (rounds > 0) & (tail_lo < tail_hi):
-        offs_o, rows = _chunk(tail_lo, tail_hi, n_out, stride_wn, BLOCK_N, GATED)
-        w = _load_w(W, rows, tl.arange(0, BLOCK_K), K, EVEN_K)
-        _chunk_out(X, W, Y, BIAS, w, rows, offs_o, tail_hi, K, BUF, PEERS, rnd, rank, slot,
-                   BLOCK_N, BLOCK_K, EVEN_K, GATED, HAS_BIAS, PUSH, WORLD, IDT, MARK)
+            rnd = tl.load(FLAGS, volatile=True) % 3
+            push_message(BUF, PEERS, rnd, y, offs_n, offs_n < N, rank, slot, WORLD, IDT, MARK)
 
 
 def gemv_config(K: int) -> tuple[int, int, int]:
@@ -153,15 +99,14 @@ def gemv_config(K: int) -> tuple[int, int, int]:
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int] | None = None,
          gated: bool = False, bias: torch.Tensor | None = None,
-         push: PushBuffers | None = None, programs: int | None = None) -> torch.Tensor:
+         push: PushBuffers | None = None) -> torch.Tensor:
     """x [..., K] holding one row, weight [N, K] (unit stride in K) -> [..., N] in x's dtype
     (fp32 accumulation; bias [N], contiguous, added before the rounding). gated: weight stacks
     gate over up rows (N even) and the result is silu(gate) * up [..., N/2], rounded as
     longctx.ops.silu_mul after the projection would (no bias). push: this rank's buffers of a
     push all-reduce (kernels/allreduce.py): the result, a row-parallel partial, is also pushed
     into every rank's buffer; the all-reduce call that follows must pass pushed=True. `config`
-    overrides gemv_config, and `programs` the programs launched (default: SHARES_PER_SM's rule;
-    at most one per BLOCK_N rows), for tuning sweeps."""
+    overrides gemv_config, for tuning sweeps."""
     N, K = weight.shape
     x1 = x.reshape(-1)
     if x1.numel() != K:
@@ -171,39 +116,18 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int] | N
     if bias is not None and (gated or bias.shape != (N,) or bias.stride(0) != 1):
         raise ValueError(f"bias must be contiguous [{N}] and comes without gated, got "
                          f"{tuple(bias.shape)} (gated={gated})")
-    n_out = N // 2 if gated else N
-    out = torch.empty(*x.shape[:-1], n_out, dtype=x.dtype, device=x.device)
+    out = torch.empty(*x.shape[:-1], N // 2 if gated else N, dtype=x.dtype, device=x.device)
     if push is not None and gated:
         raise ValueError("gemv pushes plain projections only, not gated ones")
-    if programs is not None and programs < 1:
-        raise ValueError(f"programs must be >= 1, got {programs}")
     block_n, block_k, warps = config or gemv_config(K)
-    chunks = cdiv(n_out, block_n // 2 if gated else block_n)
-    if chunks == 0:
-        return out
     buf, peers, flags, rank, slot = push if push is not None else (x1, x1, x1, 0, 0)
-    world = peers.numel() if push else 0
-    key = (x.device, x.dtype, block_n, block_k, warps, K % block_k == 0, gated,
-           bias is not None, world)
-    grid = min(chunks, programs or _SHARES.get(key) or chunks)
-    kernel = _gemv_kernel[(grid,)](
+    _gemv_kernel[(cdiv(N, block_n),)](
         x1, weight, out, x1 if bias is None else bias, N, K, weight.stride(0), buf, peers, flags,
         rank, slot, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=K % block_k == 0, GATED=gated,
-        HAS_BIAS=bias is not None, PUSH=push is not None, **push_constexprs(x.dtype, world),
+        HAS_BIAS=bias is not None, PUSH=push is not None,
+        **push_constexprs(x.dtype, peers.numel() if push else 0),
         num_warps=warps, **pdl_launch(x.device))
-    if key not in _SHARES and hasattr(kernel, "n_regs"):  # compiled for a GPU
-        per_sm = resident_programs(kernel, x.device)
-        _SHARES[key] = per_sm * device_sms(x.device) if per_sm <= SHARES_PER_SM else 0
     return out
-
-
-# Equal shares where an SM holds at most SHARES_PER_SM programs of the binary (4 x 2048 x 8: 3 on
-# an H100, so a last wave of whole chunks is coarse); with more (4 x 1024 x 4: 7), one program
-# per chunk, which measured faster there (bench/results/gemv-shares-h100x4.txt).
-SHARES_PER_SM = 4
-# Each GEMV binary's programs (before the cap of one per chunk): what the GPU holds at once, or 0
-# for one per chunk; learnt from the compiled kernel at its first launch (one per chunk).
-_SHARES: dict[tuple, int] = {}
 
 
 @triton.jit

@@ -55,21 +55,6 @@ def device_sms(device: torch.device) -> int:
     return num_sms(cuda_index(device))
 
 
-def resident_programs(kernel, device: torch.device) -> int:
-    """How many programs of a compiled Triton kernel (what a GPU launch returns) one SM of
-    `device` holds at once: its registers (allocated per warp, 8 per thread at a time), threads
-    and shared memory against the SM's; at least 1."""
-    props = torch.cuda.get_device_properties(device)
-    threads = 32 * kernel.metadata.num_warps
-    regs = -(-kernel.n_regs // 8) * 8 * threads
-    fits = [getattr(props, "regs_per_multiprocessor", 65536) // regs,
-            getattr(props, "max_threads_per_multi_processor", 2048) // threads, 32]
-    if kernel.metadata.shared:
-        fits.append(getattr(props, "shared_memory_per_multiprocessor", 228 << 10)
-                    // kernel.metadata.shared)
-    return max(1, min(fits))
-
-
 @functools.lru_cache(maxsize=None)
 def _capability(device_index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device_index)

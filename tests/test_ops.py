@@ -333,38 +333,6 @@ def test_linear_silu_mul_gated_gemv(I, K, device):
     assert err <= 2 * err_plain + 1e-6, (err, err_plain)
 
 
-@pytest.mark.gpu
-@pytest.mark.interpreter
-@pytest.mark.parametrize("gated,bias", [(False, False), (False, True), (True, False)])
-def test_gemv_any_program_count(gated, bias, device):
-    """The GEMV's programs take rounds of adjacent BLOCK_N-row chunks, then equal shares of the
-    rest: any program count gives the same bits (each output's sum is the same), the first
-    launch (one program per chunk) as the later ones (on a GPU, as many programs as it holds:
-    K = 8192 takes the config that gets equal shares), and those bits are within 2x torch's
-    error of float64. The outputs outnumber what a GPU holds several times over (rounds, then a
-    rest); odd counts leave uneven shares and partial last chunks."""
-    from longctx.kernels.gemv import gemv
-
-    N, K = (2 * 3001, 8192) if device == "cuda" else (2 * 37, 100)
-    w = (torch.randn(N, K, device=device) * K**-0.5).to(torch.float16)
-    x = torch.randn(1, K, device=device).to(torch.float16)
-    b = (torch.randn(N, device=device) * 2).to(torch.float16) if bias else None
-    first = gemv(x, w, gated=gated, bias=b)
-    for programs in (None, 1, 2, 3, 7, 10**9):
-        got = gemv(x, w, gated=gated, bias=b, programs=programs)
-        assert torch.equal(got, first), f"{programs} programs"
-    y = x.double() @ w.double().T + (b.double() if bias else 0)
-    plain = torch.nn.functional.linear(x.float(), w.float(), b.float() if bias else None).half()
-    if gated:
-        g, u = y.chunk(2, dim=-1)
-        y = torch.nn.functional.silu(g) * u
-        plain = ops.silu_mul(plain)
-    err, err_plain = (first.double() - y).abs().max(), (plain.double() - y).abs().max()
-    assert err <= 2 * err_plain + 1e-6, (err, err_plain)
-    with pytest.raises(ValueError, match="programs must be >= 1"):
-        gemv(x, w, programs=0)
-
-
 def test_host_cdiv_and_next_power_of_2_match_triton():
     # The launch wrappers use plain-Python versions (triton's are slow constexpr functions).
     import triton
