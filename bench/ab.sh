@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# A/B of launch/decode.py between an older revision's code and this tree's, on one machine: the
+# two arms alternate ROUNDS times (each run installs its tree's longctx, editable), then a table
+# gives each arm's decode tokens/s and the change.
+#   bash bench/ab.sh REV [ROUNDS] -- DECODE_ARGS...
+#   NGPU=2 bash bench/ab.sh 517f6b8 2 -- +model=codellama34b parallel.tp=2 context_len=16384 \
+#       gen_len=64 prefill=synthetic
+# REV: a commit of this checkout (its .git must hold it) or a directory with an older tree (e.g.
+# made here with `git archive REV | tar -x -C scratch/old` and carried to a GPU machine).
+# Compare against the old code itself, not a switch inside the new code: a switch compiles the new
+# code into the old arm too. a947530's GEMV shares gained 0.3-0.9% against such an arm and lost
+# 6-9% against the tree before them (BENCHMARKS.md, "Tried and dropped").
+# G = NGPU (default 1) processes under torchrun. Output: $OUT (default bench/results/raw/ab), each
+# run's summary.json under runs/, the table in ab.txt. Exit status 1 if a run failed.
+set -uo pipefail
+usage="bash bench/ab.sh REV [ROUNDS] -- DECODE_ARGS..."
+[ $# -ge 2 ] || { echo "usage: $usage"; exit 2; }
+rev=$1
+shift
+rounds=2
+if [ "$1" != "--" ]; then rounds=$1; shift; fi
+[ "${1:-}" = "--" ] || { echo "usage: $usage"; exit 2; }
+shift
+[[ "$rounds" =~ ^[1-9][0-9]*$ ]] || { echo "ROUNDS must be a positive integer, got '$rounds'"; exit 2; }
+cd "$(dirname "$0")/.."
+root=$PWD
+source bench/device_env.sh || exit 1
+out=${OUT:-bench/results/raw/ab}
+mkdir -p "$out/runs"
+out=$(cd "$out" && pwd)
+if [ -d "$rev" ]; then
+  old=$(cd "$rev" && pwd)
+else
+  old=$(mktemp -d)
+  trap 'rm -rf "$old"' EXIT
+  git archive "$rev" | tar -x -C "$old" || { echo "bench/ab.sh: no revision '$rev' here"; exit 2; }
+fi
+status=0
+install() { (cd "$1" && python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1) ; }
+for r in $(seq "$rounds"); do
+  for arm in old new; do
+    tree=$old; [ $arm = new ] && tree=$root
+    install "$tree" || { echo "bench/ab.sh: installing $tree failed"; status=1; continue; }
+    dir="$out/runs/$arm-$r"
+    echo "+ round $r, $arm ($tree)"
+    (cd "$tree" && torchrun --nproc_per_node="${NGPU:-1}" launch/decode.py "$@" output="$dir") \
+      2>&1 | grep -i "tokens/s\|limit \|error\|Traceback" | grep -v -i "warn"
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  done
+done
+install "$root"  # leave this tree's longctx installed
+python3 - "$out" "$rev" <<'EOF' | tee "$out/ab.txt"
+import glob, json, os, statistics, sys
+
+out, rev = sys.argv[1:]
+runs = {"old": [], "new": []}
+for path in sorted(glob.glob(os.path.join(out, "runs", "*", "*", "summary.json"))):
+    arm = os.path.basename(os.path.dirname(os.path.dirname(path))).split("-")[0]
+    runs[arm].append(json.load(open(path))["decode_tokens_per_s"])
+print(f"{'arm':<24} {'decode tokens/s, each run':<40} mean")
+for arm, name in (("old", rev), ("new", "this tree")):
+    vals = runs[arm]
+    mean = statistics.mean(vals) if vals else float("nan")
+    print(f"{name:<24} {', '.join(f'{v:.1f}' for v in vals):<40} {mean:.1f}")
+if runs["old"] and runs["new"]:
+    change = statistics.mean(runs["new"]) / statistics.mean(runs["old"]) - 1
+    print(f"change: {100 * change:+.1f}%")
+EOF
+exit $status
