@@ -22,15 +22,16 @@ if [ "$1" != "--" ]; then rounds=$1; shift; fi
 [ "${1:-}" = "--" ] || { echo "usage: $usage"; exit 2; }
 shift
 [[ "$rounds" =~ ^[1-9][0-9]*$ ]] || { echo "ROUNDS must be a positive integer, got '$rounds'"; exit 2; }
+old=
+if [ -d "$rev" ]; then old=$(cd "$rev" && pwd); fi  # (a path from the caller's directory)
 cd "$(dirname "$0")/.."
 root=$PWD
 source bench/device_env.sh || exit 1
 out=${OUT:-bench/results/raw/ab}
+rm -rf "$out/runs"  # the table reads every summary under runs/: this call's only
 mkdir -p "$out/runs"
 out=$(cd "$out" && pwd)
-if [ -d "$rev" ]; then
-  old=$(cd "$rev" && pwd)
-else
+if [ -z "$old" ]; then
   old=$(mktemp -d)
   trap 'rm -rf "$old"' EXIT
   git archive "$rev" | tar -x -C "$old" || { echo "bench/ab.sh: no revision '$rev' here"; exit 2; }

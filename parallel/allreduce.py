@@ -31,7 +31,8 @@ MAX_ROWS = 16
 # From this many ranks the push kernel after a pushing GEMV lets the next GEMV launch as soon as
 # its own GEMV has ended, before waiting for the peers' data; with fewer, after that wait.
 # CodeLlama-34B at 16k, 4x H100 (bench/results/allreduce-early-h100x4.txt): tp=4 146.8 tok/s
-# early against 145.4, tp=2 80.7 against 80.8 (two runs each, every pair the same).
+# early against 145.4, tp=2 80.7 against 80.8 (two runs each, every pair the same; both arms with
+# a947530's GEMV, since reverted: not yet rerun with the current one).
 EARLY_FROM_RANKS = 4
 
 
