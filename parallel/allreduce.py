@@ -30,9 +30,9 @@ MAX_ROWS = 16
 
 # From this many ranks the push kernel after a pushing GEMV lets the next GEMV launch as soon as
 # its own GEMV has ended, before waiting for the peers' data; with fewer, after that wait.
-# CodeLlama-34B at 16k, 4x H100 (bench/results/allreduce-early-h100x4.txt): tp=4 146.8 tok/s
-# early against 145.4, tp=2 80.7 against 80.8 (two runs each, every pair the same; both arms with
-# a947530's GEMV, since reverted: not yet rerun with the current one).
+# CodeLlama-34B at 16k, 4x H100 (bench/results/allreduce-early-h100x4.txt): tp=4 146.8-146.9
+# tok/s early against 145.4-145.6 (three runs each, against a tree with this set to 99), tp=2 80.7
+# against 80.8.
 EARLY_FROM_RANKS = 4
 
 
