@@ -10,8 +10,10 @@
 # Compare against the old code itself, not a switch inside the new code: a switch compiles the new
 # code into the old arm too. a947530's GEMV shares gained 0.3-0.9% against such an arm and lost
 # 6-9% against the tree before them (BENCHMARKS.md, "Tried and dropped").
-# G = NGPU (default 1) processes under torchrun. Output: $OUT (default bench/results/raw/ab), each
-# run's summary.json under runs/, the table in ab.txt. Exit status 1 if a run failed.
+# G = NGPU (default 1) processes under torchrun. Output: $OUT (default bench/results/raw/ab): each
+# run's directory under runs/, a copy of its summary.json as summary-ARM-ROUND.json (a device
+# run's $OUT brings back files near its top only), the table in ab.txt. Exit status 1 if a run
+# failed.
 set -uo pipefail
 usage="bash bench/ab.sh REV [ROUNDS] -- DECODE_ARGS..."
 [ $# -ge 2 ] || { echo "usage: $usage"; exit 2; }
@@ -28,7 +30,7 @@ cd "$(dirname "$0")/.."
 root=$PWD
 source bench/device_env.sh || exit 1
 out=${OUT:-bench/results/raw/ab}
-rm -rf "$out/runs"  # the table reads every summary under runs/: this call's only
+rm -rf "$out/runs" "$out"/summary-*.json  # the table reads this call's summaries only
 mkdir -p "$out/runs"
 out=$(cd "$out" && pwd)
 if [ -z "$old" ]; then
@@ -47,6 +49,7 @@ for r in $(seq "$rounds"); do
     (cd "$tree" && torchrun --nproc_per_node="${NGPU:-1}" launch/decode.py "$@" output="$dir") \
       2>&1 | grep -i "tokens/s\|limit \|error\|Traceback" | grep -v -i "warn"
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
+    cp "$dir"/*/summary.json "$out/summary-$arm-$r.json" 2>/dev/null
   done
 done
 install "$root"  # leave this tree's longctx installed
@@ -55,8 +58,8 @@ import glob, json, os, statistics, sys
 
 out, rev = sys.argv[1:]
 runs = {"old": [], "new": []}
-for path in sorted(glob.glob(os.path.join(out, "runs", "*", "*", "summary.json"))):
-    arm = os.path.basename(os.path.dirname(os.path.dirname(path))).split("-")[0]
+for path in sorted(glob.glob(os.path.join(out, "summary-*.json"))):
+    arm = os.path.basename(path).split("-")[1]
     runs[arm].append(json.load(open(path))["decode_tokens_per_s"])
 print(f"{'arm':<24} {'decode tokens/s, each run':<40} mean")
 for arm, name in (("old", rev), ("new", "this tree")):

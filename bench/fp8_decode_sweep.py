@@ -5,7 +5,8 @@ kernel at 1x / 2x / 4x the one-wave split count with 128-key blocks, 4 or 8 warp
 stages (`CANDIDATES`); CUDA-graph replay, µs per call (split kernel + merge), with the rule's
 pick and the floor (the fp8 bytes and scales at the measured read bandwidth).
 
-    python bench/fp8_decode_sweep.py [--baseline OLD.py]
+    python bench/fp8_decode_sweep.py [--baseline OLD.py] [--shapes 32/4/1x262144 ...]
+        [--candidates 2:128,4,2 4:64,4,2 ...]   # MULT:BLOCK_N,warps,stages
     # OLD.py: e.g. `git show 5425e66:kernels/decode.py > /tmp/decode_5425e66.py`
 """
 
@@ -52,7 +53,22 @@ def run(mod, q, k, v, lens, splits, cfg, scales):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--baseline", help="a previous kernels/decode.py, timed on the same fp8 cache")
+    ap.add_argument("--shapes", nargs="+", metavar="HQ/HKV/BxN",
+                    help="shapes to time (default: the decode table's and tp=2's)")
+    ap.add_argument("--candidates", nargs="+", metavar="MULT:BLOCK_N,WARPS,STAGES",
+                    help="launches to time, MULT x the one-wave split count (default: CANDIDATES)")
     args = ap.parse_args()
+    shapes, candidates = SHAPES, CANDIDATES
+    try:
+        if args.shapes:
+            shapes = [(*map(int, h.split("/")[:2]), *map(int, h.split("/")[2].split("x")))
+                      for h in args.shapes]
+        if args.candidates:
+            candidates = [(int(c.split(":")[0]), tuple(int(x) for x in c.split(":")[1].split(",")))
+                          for c in args.candidates]
+    except (ValueError, IndexError):
+        ap.error("--shapes take HQ/HKV/BxN (e.g. 32/4/1x262144), --candidates "
+                 "MULT:BLOCK_N,WARPS,STAGES (e.g. 2:128,4,2)")
     old = None
     if args.baseline:
         spec = importlib.util.spec_from_file_location("decode_baseline", args.baseline)
@@ -60,8 +76,8 @@ def main() -> None:
         spec.loader.exec_module(old)
     bw, sms = read_bandwidth(), device_sms(torch.device("cuda"))
     print(f"{torch.cuda.get_device_name()}, read bandwidth {bw / 1e12:.2f} TB/s, {sms} SMs")
-    print("candidates: " + " ".join(f"sp{m}x{c}" for m, c in CANDIDATES))
-    for hq, hkv, B, N in SHAPES:
+    print("candidates: " + " ".join(f"sp{m}x{c}" for m, c in candidates))
+    for hq, hkv, B, N in shapes:
         q = torch.randn(B, hq, 128, device="cuda", dtype=torch.bfloat16)
         k = torch.randn(B, N, hkv, 128, device="cuda", dtype=torch.bfloat16)
         v = torch.randn_like(k)
@@ -77,7 +93,7 @@ def main() -> None:
             cfg = old._launch_config(128, torch.bfloat16, 16, triton.cdiv(N, sp1), q.device)
             t_old = graph_ms(lambda: run(old, q, k8, v8, lens, sp1, cfg, scales), **TIMING) * 1e3
         times = {}
-        for mult, cfg in CANDIDATES:
+        for mult, cfg in candidates:
             sp = min(sp1 * mult, max(1, N // 256))
             times[(sp, cfg)] = graph_ms(lambda: run(D, q, k8, v8, lens, sp, cfg, scales),
                                         **TIMING) * 1e3

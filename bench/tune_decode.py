@@ -4,6 +4,7 @@ and launch configs, and prints the best against the heuristic's pick and the flo
 
     python bench/tune_decode.py [--shapes 1x65536 16x4096] [--splits 1 2 4 8 16 32 64 128]
     python bench/tune_decode.py --fp8 ...   # an fp8 (e4m3) cache with its scales, bf16 q
+    python bench/tune_decode.py --all ...   # every (splits, config)'s time, not only the best
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ def main() -> None:
     ap.add_argument("--hkv", type=int, default=2)
     ap.add_argument("--d", type=int, default=128)
     ap.add_argument("--fp8", action="store_true", help="e4m3 cache with per-(token, head) scales")
+    ap.add_argument("--all", action="store_true", help="print every (splits, config)'s time")
     args = ap.parse_args()
     bw = read_bandwidth()
     sms = device_sms(torch.device("cuda"))
@@ -94,6 +96,10 @@ def main() -> None:
               f"{h_sp} {h_cfg}: {h if h is None else round(h, 1)} us")
         print(f"    streaming read of the same bytes {t_read:.1f} us, empty kernel {t_empty:.1f} us")
         print("    best per split: " + " ".join(f"{sp}:{t:.1f}" for sp, t in by_split.items()))
+        if args.all:
+            for sp in args.splits:
+                print(f"    splits {sp}: " + " ".join(f"{c}: {t:.1f}" for (s, c), t in results.items()
+                                                     if s == sp))
         sp, cfg = best
         if sp > 1:  # where the time goes: the split kernel alone, and the merge alone
             o, lse = flash_decode_partials(q, k, v, lens, None, args.d**-0.5, sp, config=cfg,

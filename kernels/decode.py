@@ -416,11 +416,17 @@ def _launch_config(head_dim: int, dtype: torch.dtype, block_h: int, keys_per_spl
     """
     d = next_power_of_2(head_dim)
     if fp8 and dtype == torch.float16 and d == 128 and block_h * d < 64 * 128:
-        # An fp8 cache (its tiles widened to float16 in shared memory: 103 KB at 2 stages), swept
-        # on an H100 (bench/results/fp8-decode-sweep-h100.txt): with more programs than SMs two
-        # fit per SM at 2 stages (3 stages: 8-17% slower there); one per SM takes 3 stages (2
-        # lose 20-22%).
-        return (128, 4, 2) if programs > device_sms(device) else (128, 4, 3)
+        # An fp8 cache (its tiles widened to float16 in shared memory), swept on an H100
+        # (bench/results/fp8-decode-sweep-h100.txt, fp8-decode-warps-h100.txt): with more than
+        # two programs per SM (FP8_SPLITS aims at four), 64-key blocks, 2 warps and 2 stages,
+        # 3-6% faster than two programs of 128 keys and 4 warps (fewer warps share each block's
+        # cross-warp reductions; 1 warp or 32-key blocks are slower); with two per SM (splits
+        # held at 1024 keys) 128 keys, 4 warps, 2 stages (the 2-warp programs lose 16% there);
+        # one per SM 128 keys, 4 warps, 3 stages (2 stages lose 20-22%).
+        sms = device_sms(device)
+        if programs > 2 * sms:
+            return 64, 2, 2
+        return (128, 4, 2) if programs > sms else (128, 4, 3)
     if dtype == torch.float32:
         return (32 if d <= 128 and block_h * d < 64 * 128 else 16), 8, 2
     if d == 256:
@@ -751,16 +757,21 @@ def flash_decode(
 
 
 # choose_num_splits' arguments for an fp8 cache, swept on an H100 (bench/results/
-# fp8-decode-sweep-h100.txt): two programs per SM (its kernel runs more dependent steps per byte
-# than the bf16 one and hides them better two at a time: 5-16% faster from 2048 keys a split)
-# while splits keep >= 1024 keys (at 512 keys, 64 x 1024 with 16/2 heads, two per SM lose 22%).
-FP8_SPLITS = dict(programs_per_sm=2, min_keys_per_split=1024)
+# fp8-decode-sweep-h100.txt, fp8-decode-warps-h100.txt): four programs of 2 warps per SM (its
+# kernel runs more dependent steps per byte than the bf16 one and hides them better with more,
+# smaller programs: two per SM were 5-16% faster than one from 2048 keys a split, four of 2 warps
+# 3-6% faster than two of 4), up to 256 splits, while splits keep >= 1024 keys (at 512 keys,
+# 64 x 1024 with 16/2 heads, two per SM lose 22%).
+FP8_SPLITS = dict(programs_per_sm=4, min_keys_per_split=1024, max_splits=256)
+# A head_dim split into two tiles on a GPU not named H100 (`splits_rule`): two programs per SM.
+SPLIT_HEAD_SPLITS = dict(programs_per_sm=2, min_keys_per_split=1024)
 
 
 def splits_rule(head_dim: int, fp8: bool, device: torch.device) -> dict:
-    """choose_num_splits' arguments for a decode kernel: FP8_SPLITS (two programs per SM while
-    splits keep >= 1024 keys) for an fp8 cache, and for a head_dim split into two tiles
-    (`head_tiles`: 96 = 64 + 32) on a GPU not named H100; else {} (one wave).
+    """choose_num_splits' arguments for a decode kernel: FP8_SPLITS (four programs per SM while
+    splits keep >= 1024 keys) for an fp8 cache, SPLIT_HEAD_SPLITS (two per SM, the same bound)
+    for a head_dim split into two tiles (`head_tiles`: 96 = 64 + 32) on a GPU not named H100;
+    else {} (one wave).
 
     The split head's loop issues two dots per key block and, like the fp8 loop, runs better two
     programs to an SM where splits are long. Swept on an H200 at D=96, 16/2 heads
@@ -769,8 +780,10 @@ def splits_rule(head_dim: int, fp8: bool, device: torch.device) -> dict:
     64-key blocks against 62.2 with 64 of 128 (cuDNN 57.7); at 512 keys a split, two per SM
     gained 2% at 1 x 65536 and lost 1.5% at 8 x 8192, so splits stay >= 1024 keys. On an H100
     128 splits were 1.5% slower at 1 x 262144 (bench/results/tune-decode-d96-split-h100.txt)."""
-    if fp8 or (head_tiles(head_dim, SPLIT_HEADS)[1] and "H100" not in device_name(device)):
+    if fp8:
         return FP8_SPLITS
+    if head_tiles(head_dim, SPLIT_HEADS)[1] and "H100" not in device_name(device):
+        return SPLIT_HEAD_SPLITS
     return {}
 
 

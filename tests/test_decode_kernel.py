@@ -393,9 +393,10 @@ def test_choose_num_splits():
     vals = [choose_num_splits(b, 8, 1 << 16, 132) for b in range(1, 40)]
     assert all(a >= c for a, c in zip(vals, vals[1:]))
     assert all(v >= 1 for v in vals)
-    # An fp8 cache: two programs per SM where splits keep >= 1024 keys.
-    assert choose_num_splits(1, 8, 1 << 18, 132, **FP8_SPLITS) == 32
-    assert choose_num_splits(1, 2, 1 << 18, 132, **FP8_SPLITS) == 128
+    # An fp8 cache: four programs per SM, up to 256 splits, where splits keep >= 1024 keys.
+    assert choose_num_splits(1, 8, 1 << 18, 132, **FP8_SPLITS) == 64
+    assert choose_num_splits(1, 2, 1 << 18, 132, **FP8_SPLITS) == 256
+    assert choose_num_splits(1, 1, 1 << 20, 132, **FP8_SPLITS) == 256
     assert choose_num_splits(8, 2, 8192, 132, **FP8_SPLITS) == 8  # 1024 keys, not 16 x 512
     assert choose_num_splits(64, 2, 1024, 132, **FP8_SPLITS) == 1
 
@@ -415,16 +416,19 @@ def test_launch_config_by_gpu(monkeypatch):
     for dev in (h100, h200):
         assert _launch_config(128, torch.float16, 16, 512, dev) == (64, 4, 3)
         assert _launch_config(128, torch.float16, 16, 256, dev) == (64, 4, 2)
-        # An fp8 cache (tiles widened to float16): 2 stages where two programs share an SM.
+        # An fp8 cache (tiles widened to float16): 64-key blocks, 2 warps, 2 stages for more
+        # than two programs per SM; 128-key blocks, 4 warps, 2 stages for two.
         fp8_rule = functools.partial(_launch_config, 128, torch.float16, 16, device=dev, fp8=True)
+        assert fp8_rule(2048, programs=512) == (64, 2, 2)
         assert fp8_rule(2048, programs=256) == (128, 4, 2)
         assert fp8_rule(1024, programs=128) == (128, 4, 3)
 
 
 def test_split_head_tile_rule_by_gpu(monkeypatch):
     """A head in two tiles (96 = 64 + 32) on an H200: two programs per SM while splits keep
-    >= 1024 keys (the fp8 cache's rule), with 64-key blocks; the H100, power-of-two heads and
-    the padded tile keep the one-wave rule. Device names and SM counts are stubbed: no GPU."""
+    >= 1024 keys, with 64-key blocks (an fp8 cache: four per SM, on any GPU); the H100,
+    power-of-two heads and the padded tile keep the one-wave rule. Device names and SM counts
+    are stubbed: no GPU."""
     import longctx.kernels.decode as kd
     from longctx.kernels.decode import splits_rule
 
@@ -440,7 +444,7 @@ def test_split_head_tile_rule_by_gpu(monkeypatch):
     assert splits(96, h200) == splits(80, h200) == [1, 8, 64, 128, 128]
     for d, dev in ((96, h100), (128, h200), (256, h200)):
         assert splits(d, dev) == [1, 8, 64, 64, 64], (d, dev)
-    assert splits(128, h100, fp8=True) == splits(96, h200)  # the fp8 cache's rule, any GPU
+    assert splits(128, h100, fp8=True) == splits(128, h200, fp8=True) == [1, 8, 64, 128, 256]
     monkeypatch.setattr(kd, "SPLIT_HEADS", False)  # padded to one tile of 128
     assert splits(96, h200) == [1, 8, 64, 64, 64]
     monkeypatch.setattr(kd, "SPLIT_HEADS", True)
