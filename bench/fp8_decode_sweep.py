@@ -1,9 +1,9 @@
 """The fp8-cache decode kernel's launch rule against its alternatives (a development tool; results
 inform kernels/decode.py's FP8_SPLITS and `_launch_config`). For each shape: the bf16 cache
 (longctx's own rule), optionally a previous decode kernel on the same fp8 cache, and the fp8
-kernel at 1x / 2x / 4x the one-wave split count with 128-key blocks, 4 or 8 warps and 2 or 3
-stages (`CANDIDATES`); CUDA-graph replay, µs per call (split kernel + merge), with the rule's
-pick and the floor (the fp8 bytes and scales at the measured read bandwidth).
+kernel at multiples of the one-wave split count with the launch configs of `CANDIDATES` (or
+--candidates); CUDA-graph replay, µs per call (split kernel + merge), with the rule's pick and
+the floor (the fp8 bytes and scales at the measured read bandwidth).
 
     python bench/fp8_decode_sweep.py [--baseline OLD.py] [--shapes 32/4/1x262144 ...]
         [--candidates 2:128,4,2 4:64,4,2 ...]   # MULT:BLOCK_N,warps,stages
@@ -33,10 +33,13 @@ TIMING = dict(warmup_ms=5, rep_ms=20)
 SHAPES = [(16, 2, 64, 1024), (16, 2, 8, 8192), (16, 2, 1, 65536), (16, 2, 1, 262144),
           (64, 8, 8, 8192), (64, 8, 1, 262144), (32, 4, 8, 8192), (32, 4, 1, 262144),
           (32, 4, 1, 1048576)]
-# (multiple of the one-wave split count, (BLOCK_N, warps, stages)). 8 warps: untimed; compiled
-# for sm_90 a warp's loop is 525 instructions against 4 warps' 749, at the same shared memory.
-CANDIDATES = [(1, (128, 4, 2)), (1, (128, 4, 3)), (2, (128, 4, 2)), (2, (128, 4, 3)),
-              (4, (128, 4, 2)), (1, (128, 8, 2)), (2, (128, 8, 2))]
+# (multiple of the one-wave split count, (BLOCK_N, warps, stages)): the rule's launches and the
+# next ones to try. Shared memory per program (offline sm_90 compiles, bench/compile_decode.py):
+# (128, 4, 2) 103 KB, (64, 2, 2) 54 KB (four fit an SM), (64, 2, 1) and (64, 1, 1) 37 KB (six fit;
+# one stage: the fp8 tiles load straight into registers, 703 / 1268 instructions a warp per 64
+# keys). Swept before: 8 warps, 3 stages, 32-key blocks (bench/results/fp8-decode-*-h*.txt).
+CANDIDATES = [(1, (128, 4, 3)), (2, (128, 4, 2)), (4, (64, 2, 2)), (4, (64, 2, 1)),
+              (6, (64, 2, 1)), (6, (64, 1, 1)), (8, (64, 1, 1))]
 
 
 def run(mod, q, k, v, lens, splits, cfg, scales):
