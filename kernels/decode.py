@@ -419,9 +419,9 @@ def _launch_config(head_dim: int, dtype: torch.dtype, block_h: int, keys_per_spl
         # An fp8 cache (its tiles widened to float16 in shared memory), swept on an H100
         # (bench/results/fp8-decode-sweep-h100.txt, fp8-decode-warps-h100.txt): with more than
         # two programs per SM (FP8_SPLITS aims at four), 64-key blocks, 2 warps and 2 stages,
-        # 3-6% faster than two programs of 128 keys and 4 warps (fewer warps share each block's
-        # cross-warp reductions; 1 warp or 32-key blocks are slower); with two per SM (splits
-        # held at 1024 keys) 128 keys, 4 warps, 2 stages (the 2-warp programs lose 16% there);
+        # 3-6% faster than two programs of 128 keys and 4 warps at about the same instructions
+        # per key (why was not measured; 1 warp or 32-key blocks are slower); with two per SM
+        # (splits held at 1024 keys) 128 keys, 4 warps, 2 stages (2-warp programs lose 16% there);
         # one per SM 128 keys, 4 warps, 3 stages (2 stages lose 20-22%).
         sms = device_sms(device)
         if programs > 2 * sms:
@@ -773,8 +773,8 @@ def splits_rule(head_dim: int, fp8: bool, device: torch.device) -> dict:
     for a head_dim split into two tiles (`head_tiles`: 96 = 64 + 32) on a GPU not named H100;
     else {} (one wave).
 
-    The split head's loop issues two dots per key block and, like the fp8 loop, runs better two
-    programs to an SM where splits are long. Swept on an H200 at D=96, 16/2 heads
+    The split head's loop issues two dots per key block and, like the fp8 loop, runs better with
+    more than one program to an SM where splits are long. Swept on an H200 at D=96, 16/2 heads
     (bench/results/tune-decode-d96-h200-splits.txt, then bench/decode_ab.py against the one-wave
     rule, bench/results/decode-ab-d96-h200.txt): 1 x 262144 took 58.1 µs with 128 splits of
     64-key blocks against 62.2 with 64 of 128 (cuDNN 57.7); at 512 keys a split, two per SM
