@@ -52,14 +52,15 @@ _INTERPRET = interpreter_active()
 
 @triton.jit
 def _widen_e4m3(x, WIDEN: tl.constexpr, dtype: tl.constexpr):
-    """An e4m3 tile widened, exact: WIDEN False, to `dtype` by Triton's conversion (the
+    """V's e4m3 tile widened, exact: WIDEN False, to `dtype` by Triton's conversion (the
     interpreter, a float32 q); True, to float16 by cvt.rn.f16x2.e4m3x2 (sm_89+, as e4m3 itself),
     four bytes per two instructions.
 
     The inline asm is declared impure so that the compiler keeps it where it stands: the tile is
-    widened in the layout it was loaded in and the 16-bit tile is laid out for the dot (ldmatrix,
-    transposed for V). Pure, the widening moves past the layout change and V's transposed fp8
-    operand is gathered byte by byte (measured: 1.6x the instructions of the bf16 cache's loop).
+    widened in the layout it was loaded in and the 16-bit tile is laid out for P @ V (ldmatrix,
+    transposed). Pure, the widening moves past the layout change and the transposed fp8 operand
+    is gathered byte by byte (measured: 1.6x the instructions of the bf16 cache's loop). K, the
+    other dot's operand untransposed, takes Triton's pure conversion instead (`_attend_block`).
     """
     if WIDEN:
         y = tl.inline_asm_elementwise(
@@ -99,9 +100,9 @@ def _attend_block(
     a second dot into the scores and one more into acc_hi (else both are passed through).
 
     FP8: K and V are e4m3 with a float32 scale per key (ks_head / vs_head). The tiles are widened
-    to q's dtype (`_widen_e4m3`): float32, or float16 for a half-precision q (which comes scaled to
-    |q| <= 1, its scale inside qk_scale), the scales going on per key: K's on the scores, V's on the
-    probabilities before P @ V. Those products p * scale must stay in float16's range whatever
+    to q's dtype (K by Triton's conversion, V by `_widen_e4m3`): float32, or float16 for a
+    half-precision q (which comes scaled to |q| <= 1, its scale inside qk_scale), the scales going
+    on per key: K's on the scores, V's on the probabilities before P @ V. Those products p * scale must stay in float16's range whatever
     the cache's magnitudes, so they are taken relative to u_v [BLOCK_H], the largest V scale
     seen so far (acc holds the output / u_v, rescaled with alpha when u_v grows, as for the
     running maximum): p * scale / u_v <= 1. Without it a cache of V values ~1e-4 lost 23% of
@@ -151,7 +152,12 @@ def _attend_block(
         v = tl.load(v_head + v_rows[:, None] + offs_d[None, :], mask=d_mask, other=0.0)
 
     if FP8:
-        k = _widen_e4m3(k, FP8_WIDEN, q.dtype)
+        # K by Triton's own conversion (cvt.rn.f16x2.e4m3x2 on sm_89+), which the compiler moves
+        # past the layout change: K's fp8 tile goes from shared memory straight into the dot's
+        # operand registers (8-byte loads), where the impure cvt wrote a float16 copy back to
+        # shared memory for ldmatrix. A third fewer shared-memory wavefronts, 12% faster at 32/4
+        # heads 1 x 262144 on an H100 (BENCHMARKS.md, fp8 section). V's must stay impure.
+        k = k.to(q.dtype)
         v = _widen_e4m3(v, FP8_WIDEN, q.dtype)
         k_sc = tl.load(ks_head + ks_rows)
         s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * (k_sc * qk_scale)[None, :]
@@ -234,7 +240,7 @@ def _decode_split_kernel(
     MERGE_P: tl.constexpr = 1,  # FUSED_MERGE: splits loaded at once
     KV_STRIDES_8: tl.constexpr = False,  # K/V strides are multiples of 8 (only told if D % 16)
     FP8: tl.constexpr = False,  # e4m3 K/V with float32 scales per (key, KV head)
-    FP8_WIDEN: tl.constexpr = False,  # FP8: tiles widened by cvt (`_widen_e4m3`)
+    FP8_WIDEN: tl.constexpr = False,  # FP8: V's tiles widened by cvt (`_widen_e4m3`)
     D_HI: tl.constexpr = 0,  # a split head's second tile (`head_tiles`): BLOCK_D + D_HI = HEAD_DIM
 ):
     tl.static_assert(not (FP8 and D_HI > 0))  # an fp8 cache widens and scales whole tiles
@@ -416,13 +422,14 @@ def _launch_config(head_dim: int, dtype: torch.dtype, block_h: int, keys_per_spl
     """
     d = next_power_of_2(head_dim)
     if fp8 and dtype == torch.float16 and d == 128 and block_h * d < 64 * 128:
-        # An fp8 cache (its tiles widened to float16 in shared memory), swept on an H100
+        # An fp8 cache (V's tiles widened to float16 in shared memory), swept on an H100
         # (bench/results/fp8-decode-sweep-h100.txt, fp8-decode-warps-h100.txt): with more than
         # two programs per SM (FP8_SPLITS aims at four), 64-key blocks, 2 warps and 2 stages,
         # 3-6% faster than two programs of 128 keys and 4 warps at about the same instructions
         # per key (why was not measured; 1 warp or 32-key blocks are slower); with two per SM
         # (splits held at 1024 keys) 128 keys, 4 warps, 2 stages (2-warp programs lose 16% there);
-        # one per SM 128 keys, 4 warps, 3 stages (2 stages lose 20-22%).
+        # one per SM 128 keys, 4 warps, 3 stages (2 stages lose 20-22%). Re-swept with K's
+        # conversion moved into the dot's operand (fp8-decode-k-layout-h100.txt): same picks.
         sms = device_sms(device)
         if programs > 2 * sms:
             return 64, 2, 2
