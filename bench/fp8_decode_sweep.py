@@ -33,13 +33,14 @@ TIMING = dict(warmup_ms=5, rep_ms=20)
 SHAPES = [(16, 2, 64, 1024), (16, 2, 8, 8192), (16, 2, 1, 65536), (16, 2, 1, 262144),
           (64, 8, 8, 8192), (64, 8, 1, 262144), (32, 4, 8, 8192), (32, 4, 1, 262144),
           (32, 4, 1, 1048576)]
-# (multiple of the one-wave split count, (BLOCK_N, warps, stages)): the rule's launches and the
-# next ones to try. Shared memory per program (offline sm_90 compiles, bench/compile_decode.py):
-# (128, 4, 2) 103 KB, (64, 2, 2) 54 KB (four fit an SM), (64, 2, 1) and (64, 1, 1) 37 KB (six fit;
-# one stage: the fp8 tiles load straight into registers, 703 / 1268 instructions a warp per 64
-# keys). Swept before: 8 warps, 3 stages, 32-key blocks (bench/results/fp8-decode-*-h*.txt).
-CANDIDATES = [(1, (128, 4, 3)), (2, (128, 4, 2)), (4, (64, 2, 2)), (4, (64, 2, 1)),
-              (6, (64, 2, 1)), (6, (64, 1, 1)), (8, (64, 1, 1))]
+# (multiple of the one-wave split count, (BLOCK_N, warps, stages)): the rule's launches and their
+# nearest rivals in the last sweep (bench/results/fp8-decode-k-layout-h100.txt). Shared memory per
+# program since K's tile goes straight into the dot's operand (offline sm_90 compiles,
+# bench/compile_decode.py): (128, 4, 2) 75 KB, (64, 2, 2) 39 KB, (64, 2, 3) 56 KB. Swept before
+# and slower: 8 warps, 32-key blocks, one stage, six or eight programs per SM
+# (bench/results/fp8-decode-*-h*.txt).
+CANDIDATES = [(1, (128, 4, 3)), (2, (128, 4, 2)), (4, (64, 2, 2)), (4, (64, 2, 3)),
+              (5, (64, 2, 2))]
 
 
 def run(mod, q, k, v, lens, splits, cfg, scales):
@@ -51,6 +52,21 @@ def run(mod, q, k, v, lens, splits, cfg, scales):
                                        config=cfg, **scales)
     out = merge_states_triton(o, lse, out_dtype=q.dtype)
     return out[0] if isinstance(out, tuple) else out
+
+
+def baseline_launch(old, B: int, hkv: int, N: int, sms: int, device: torch.device):
+    """(splits, config) of a previous decode module's own launch on an fp8 cache: its FP8_SPLITS
+    and fp8 config where it has them, else the bf16 cache's launch (modules before that rule)."""
+    if not hasattr(old, "FP8_SPLITS"):
+        sp = old.choose_num_splits(B, hkv, N, sms)
+        return sp, old._launch_config(128, torch.bfloat16, 16, triton.cdiv(N, sp), device)
+    sp = old.choose_num_splits(B, hkv, N, sms, **old.FP8_SPLITS)
+    try:
+        cfg = old._launch_config(128, torch.float16, 16, triton.cdiv(N, sp), device, True,
+                                 sp * B * hkv)
+    except TypeError:  # a rule from before the program count was an argument
+        cfg = old._launch_config(128, torch.float16, 16, triton.cdiv(N, sp), device, True)
+    return sp, cfg
 
 
 def main() -> None:
@@ -93,8 +109,9 @@ def main() -> None:
         scales = dict(k_scale=ks, v_scale=vs)
         t_old = None
         if old is not None:
-            cfg = old._launch_config(128, torch.bfloat16, 16, triton.cdiv(N, sp1), q.device)
-            t_old = graph_ms(lambda: run(old, q, k8, v8, lens, sp1, cfg, scales), **TIMING) * 1e3
+            sp_old, cfg = baseline_launch(old, B, hkv, N, sms, q.device)
+            t_old = graph_ms(lambda: run(old, q, k8, v8, lens, sp_old, cfg, scales),
+                             **TIMING) * 1e3
         times = {}
         for mult, cfg in candidates:
             sp = min(sp1 * mult, max(1, N // 256))
