@@ -15,6 +15,8 @@ rules were tuned, no kernel's loop may spill.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -97,6 +99,40 @@ def test_fp8_cache_compiles_on_sm90() -> None:
             "_decode_split_kernel"} <= _names(kernels)
     _assert_loops_keep_to_registers(kernels)
 
+
+
+# Bytes a lane stores to shared memory per SASS store, by the opcode's width suffixes.
+_STORE_BYTES = {"128": 16, "64": 8, "U16": 2, "S16": 2, "U8": 1, "S8": 1, "M88.4": 16, "M88.2": 8}
+
+
+def _shared_store_bytes(instruction: str) -> int:
+    op = re.sub(r"^@!?U?P\w+\s+", "", instruction).split()[0]
+    if not op.startswith("STS"):
+        return 0
+    return next((n for suffix, n in _STORE_BYTES.items() if op.endswith(suffix)), 4)
+
+
+def test_fp8_decode_loop_writes_only_v_tile_to_shared_memory() -> None:
+    """An fp8 cache's split loop on sm_90 writes one float16 tile a key block to shared memory,
+    V's (widened by the impure cvt, for ldmatrix): K's fp8 tile goes into the dot's operand by
+    Triton's own conversion. A float16 copy of K as well cost 12% at 32/4 heads 1 x 262144 on an
+    H100 (BENCHMARKS.md, fp8 section). The other stores (P for P @ V, the row maxima) are small."""
+    from longctx.kernels import decode as kd
+
+    block_n, warps = 64, 2
+    with compile_only((9, 0)) as kernels:
+        q = torch.empty(1, 16, 128, dtype=torch.bfloat16)
+        cache = torch.empty(1, 4096, 2, 128, dtype=FP8)
+        s = torch.empty(1, 4096, 2)
+        kd.flash_decode_partials(q, cache, cache, torch.full((1,), 4096, dtype=torch.int32),
+                                 None, 0.1, 4, config=(block_n, warps, 2), k_scale=s, v_scale=s)
+    (split,) = [k for k in kernels if k.name == "_decode_split_kernel"]
+    loops = [b for b in innermost_loops(disassemble(split.asm["cubin"]))
+             if any("HMMA" in x for x in b)]
+    assert len(loops) == 1, f"{len(loops)} MMA loops"
+    stored = 32 * warps * sum(_shared_store_bytes(x) for x in loops[0])  # bytes a key block
+    v_tile = block_n * 128 * 2
+    assert v_tile <= stored < 1.5 * v_tile, (stored, v_tile)
 
 def test_fp8_cache_is_refused_below_sm89() -> None:
     """Triton has no e4m3 on an A100: a clear refusal naming the setting, not a CompilationError
