@@ -6,6 +6,7 @@ has what it showed). With the regex below the profiled launches are bf16's secon
         --section WarpStateStats --section MemoryWorkloadAnalysis --section SourceCounters \\
         -o decode -f python bench/ncu_decode.py --shape 32/4/1x262144
     ncu -i decode.ncu-rep --page source --print-source sass --csv > decode-sass.csv
+    python bench/ncu_summary.py decode-sass.csv     # stalls and shared memory by opcode
 """
 
 from __future__ import annotations
