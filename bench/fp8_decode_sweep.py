@@ -54,18 +54,19 @@ def run(mod, q, k, v, lens, splits, cfg, scales):
     return out[0] if isinstance(out, tuple) else out
 
 
-def baseline_launch(old, B: int, hkv: int, N: int, sms: int, device: torch.device):
-    """(splits, config) of a previous decode module's own launch on an fp8 cache: its FP8_SPLITS
-    and fp8 config where it has them, else the bf16 cache's launch (modules before that rule)."""
-    if not hasattr(old, "FP8_SPLITS"):
-        sp = old.choose_num_splits(B, hkv, N, sms)
-        return sp, old._launch_config(128, torch.bfloat16, 16, triton.cdiv(N, sp), device)
-    sp = old.choose_num_splits(B, hkv, N, sms, **old.FP8_SPLITS)
+def fp8_launch(mod, B: int, hkv: int, N: int, sms: int, device: torch.device):
+    """(splits, config) of a decode module's own launch on an fp8 cache (head_dim 128, a bf16 q
+    whose dots run in float16): its FP8_SPLITS and fp8 config, or for a previous module from
+    before that rule the bf16 cache's launch."""
+    if not hasattr(mod, "FP8_SPLITS"):
+        sp = mod.choose_num_splits(B, hkv, N, sms)
+        return sp, mod._launch_config(128, torch.bfloat16, 16, triton.cdiv(N, sp), device)
+    sp = mod.choose_num_splits(B, hkv, N, sms, **mod.FP8_SPLITS)
     try:
-        cfg = old._launch_config(128, torch.float16, 16, triton.cdiv(N, sp), device, True,
+        cfg = mod._launch_config(128, torch.float16, 16, triton.cdiv(N, sp), device, True,
                                  sp * B * hkv)
     except TypeError:  # a rule from before the program count was an argument
-        cfg = old._launch_config(128, torch.float16, 16, triton.cdiv(N, sp), device, True)
+        cfg = mod._launch_config(128, torch.float16, 16, triton.cdiv(N, sp), device, True)
     return sp, cfg
 
 
@@ -109,7 +110,7 @@ def main() -> None:
         scales = dict(k_scale=ks, v_scale=vs)
         t_old = None
         if old is not None:
-            sp_old, cfg = baseline_launch(old, B, hkv, N, sms, q.device)
+            sp_old, cfg = fp8_launch(old, B, hkv, N, sms, q.device)
             t_old = graph_ms(lambda: run(old, q, k8, v8, lens, sp_old, cfg, scales),
                              **TIMING) * 1e3
         times = {}
@@ -117,9 +118,7 @@ def main() -> None:
             sp = min(sp1 * mult, max(1, N // 256))
             times[(sp, cfg)] = graph_ms(lambda: run(D, q, k8, v8, lens, sp, cfg, scales),
                                         **TIMING) * 1e3
-        sp = D.choose_num_splits(B, hkv, N, sms, **D.FP8_SPLITS)
-        cfg = D._launch_config(128, torch.float16, 16, triton.cdiv(N, sp), q.device, True,
-                               sp * B * hkv)
+        sp, cfg = fp8_launch(D, B, hkv, N, sms, q.device)
         if (sp, cfg) not in times:
             times[(sp, cfg)] = graph_ms(lambda: run(D, q, k8, v8, lens, sp, cfg, scales),
                                         **TIMING) * 1e3

@@ -16,6 +16,7 @@ import argparse
 import torch
 import triton
 
+from fp8_decode_sweep import fp8_launch  # (bench/, the script's own directory)
 from longctx.fp8 import quantize_kv
 from longctx.kernels import decode as D
 from longctx.kernels.utils import device_sms
@@ -40,9 +41,7 @@ def main() -> None:
     for _ in range(2):
         D.flash_decode_partials(q, k, v, lens, None, 128 ** -0.5, sp, config=cfg)
     (k8, ks), (v8, vs) = quantize_kv(k), quantize_kv(v)
-    sp8 = D.choose_num_splits(B, hkv, N, sms, **D.FP8_SPLITS)
-    cfg8 = D._launch_config(128, torch.float16, 16, triton.cdiv(N, sp8), q.device, True,
-                            sp8 * B * hkv)
+    sp8, cfg8 = fp8_launch(D, B, hkv, N, sms, q.device)
     for _ in range(2):
         D.flash_decode_partials(q, k8, v8, lens, None, 128 ** -0.5, sp8, config=cfg8,
                                 k_scale=ks, v_scale=vs)

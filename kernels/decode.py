@@ -102,11 +102,12 @@ def _attend_block(
     FP8: K and V are e4m3 with a float32 scale per key (ks_head / vs_head). The tiles are widened
     to q's dtype (K by Triton's conversion, V by `_widen_e4m3`): float32, or float16 for a
     half-precision q (which comes scaled to |q| <= 1, its scale inside qk_scale), the scales going
-    on per key: K's on the scores, V's on the probabilities before P @ V. Those products p * scale must stay in float16's range whatever
-    the cache's magnitudes, so they are taken relative to u_v [BLOCK_H], the largest V scale
-    seen so far (acc holds the output / u_v, rescaled with alpha when u_v grows, as for the
-    running maximum): p * scale / u_v <= 1. Without it a cache of V values ~1e-4 lost 23% of
-    the output's precision to float16's subnormals.
+    on per key: K's on the scores, V's on the probabilities before P @ V. Those products
+    p * scale must stay in float16's range whatever the cache's magnitudes, so they are taken
+    relative to u_v [BLOCK_H], the largest V scale seen so far (acc holds the output / u_v,
+    rescaled with alpha when u_v grows, as for the running maximum): p * scale / u_v <= 1.
+    Without it a cache of V values ~1e-4 lost 23% of the output's precision to float16's
+    subnormals.
     """
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)

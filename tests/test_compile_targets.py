@@ -100,7 +100,6 @@ def test_fp8_cache_compiles_on_sm90() -> None:
     _assert_loops_keep_to_registers(kernels)
 
 
-
 # Bytes a lane stores to shared memory per SASS store, by the opcode's width suffixes.
 _STORE_BYTES = {"128": 16, "64": 8, "U16": 2, "S16": 2, "U8": 1, "S8": 1, "M88.4": 16, "M88.2": 8}
 
@@ -133,6 +132,7 @@ def test_fp8_decode_loop_writes_only_v_tile_to_shared_memory() -> None:
     stored = 32 * warps * sum(_shared_store_bytes(x) for x in loops[0])  # bytes a key block
     v_tile = block_n * 128 * 2
     assert v_tile <= stored < 1.5 * v_tile, (stored, v_tile)
+
 
 def test_fp8_cache_is_refused_below_sm89() -> None:
     """Triton has no e4m3 on an A100: a clear refusal naming the setting, not a CompilationError
