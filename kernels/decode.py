@@ -431,9 +431,11 @@ def _launch_config(head_dim: int, dtype: torch.dtype, block_h: int, keys_per_spl
         # (splits held at 1024 keys) 128 keys, 4 warps, 2 stages (2-warp programs lose 16% there);
         # one per SM 128 keys, 4 warps, 3 stages (2 stages lose 20-22%). Re-swept with K's
         # conversion moved into the dot's operand (fp8-decode-k-layout-h100.txt): same picks.
+        # On an H200 (fp8-decode-h200.txt) the four programs take 3 stages (56 KB each): 9-11%
+        # faster at 1 x 262144 and 1 x 1048576; on an H100 within 2% either way (a tie).
         sms = device_sms(device)
         if programs > 2 * sms:
-            return 64, 2, 2
+            return 64, 2, (2 if "H100" in device_name(device) else 3)
         return (128, 4, 2) if programs > sms else (128, 4, 3)
     if dtype == torch.float32:
         return (32 if d <= 128 and block_h * d < 64 * 128 else 16), 8, 2
