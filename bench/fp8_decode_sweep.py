@@ -7,6 +7,7 @@ the floor (the fp8 bytes and scales at the measured read bandwidth).
 
     python bench/fp8_decode_sweep.py [--baseline OLD.py] [--shapes 32/4/1x262144 ...]
         [--candidates 2:128,4,2 4:64,4,2 ...]   # MULT:BLOCK_N,warps,stages
+        [--key-major]   # V stored key-major (the model's fp8 cache) for the candidates and rule
     # OLD.py: e.g. `git show 5425e66:kernels/decode.py > /tmp/decode_5425e66.py`
 """
 
@@ -23,7 +24,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch"))
 from bench import graph_ms  # noqa: E402
 
-from longctx.fp8 import dequantize_kv, quantize_kv  # noqa: E402
+from longctx.fp8 import dequantize_kv, key_major_v, quantize_kv  # noqa: E402
 from longctx.kernels import decode as D  # noqa: E402
 from longctx.kernels.bandwidth import read_bandwidth  # noqa: E402
 from longctx.kernels.merge import merge_states_triton  # noqa: E402
@@ -54,10 +55,16 @@ def run(mod, q, k, v, lens, splits, cfg, scales):
     return out[0] if isinstance(out, tuple) else out
 
 
-def fp8_launch(mod, B: int, hkv: int, N: int, sms: int, device: torch.device):
+def fp8_launch(mod, B: int, hkv: int, N: int, sms: int, device: torch.device,
+               key_major: bool = False):
     """(splits, config) of a decode module's own launch on an fp8 cache (head_dim 128, a bf16 q
-    whose dots run in float16): its FP8_SPLITS and fp8 config, or for a previous module from
-    before that rule the bf16 cache's launch."""
+    whose dots run in float16): its FP8_SPLITS and fp8 config (key_major: its V stored
+    key-major, KEY_MAJOR_SPLITS), or for a previous module from before that rule the bf16
+    cache's launch."""
+    if key_major:
+        sp = mod.choose_num_splits(B, hkv, N, sms, **mod.KEY_MAJOR_SPLITS)
+        return sp, mod._launch_config(128, torch.float16, 16, triton.cdiv(N, sp), device, True,
+                                      sp * B * hkv, True)
     if not hasattr(mod, "FP8_SPLITS"):
         sp = mod.choose_num_splits(B, hkv, N, sms)
         return sp, mod._launch_config(128, torch.bfloat16, 16, triton.cdiv(N, sp), device)
@@ -77,6 +84,9 @@ def main() -> None:
                     help="shapes to time (default: the decode table's and tp=2's)")
     ap.add_argument("--candidates", nargs="+", metavar="MULT:BLOCK_N,WARPS,STAGES",
                     help="launches to time, MULT x the one-wave split count (default: CANDIDATES)")
+    ap.add_argument("--key-major", action="store_true",
+                    help="the candidates and the rule on a key-major V (longctx.fp8.key_major_v); "
+                         "the usual layout's rule is timed beside it")
     args = ap.parse_args()
     shapes, candidates = SHAPES, CANDIDATES
     try:
@@ -108,23 +118,32 @@ def main() -> None:
         (k8, ks), (v8, vs) = quantize_kv(k), quantize_kv(v)
         del k, v
         scales = dict(k_scale=ks, v_scale=vs)
+        t_rows = None
+        if args.key_major:  # the usual layout's rule, then the sweep on the key-major copy
+            sp_r, cfg_r = fp8_launch(D, B, hkv, N, sms, q.device)
+            t_rows = graph_ms(lambda: run(D, q, k8, v8, lens, sp_r, cfg_r, scales),
+                              **TIMING) * 1e3
+        v_std = v8
+        if args.key_major:
+            v8 = key_major_v(v_std.shape, q.device)
+            v8.copy_(v_std)
         t_old = None
         if old is not None:
             sp_old, cfg = fp8_launch(old, B, hkv, N, sms, q.device)
-            t_old = graph_ms(lambda: run(old, q, k8, v8, lens, sp_old, cfg, scales),
+            t_old = graph_ms(lambda: run(old, q, k8, v_std, lens, sp_old, cfg, scales),
                              **TIMING) * 1e3
         times = {}
         for mult, cfg in candidates:
             sp = min(sp1 * mult, max(1, N // 256))
             times[(sp, cfg)] = graph_ms(lambda: run(D, q, k8, v8, lens, sp, cfg, scales),
                                         **TIMING) * 1e3
-        sp, cfg = fp8_launch(D, B, hkv, N, sms, q.device)
+        sp, cfg = fp8_launch(D, B, hkv, N, sms, q.device, args.key_major)
         if (sp, cfg) not in times:
             times[(sp, cfg)] = graph_ms(lambda: run(D, q, k8, v8, lens, sp, cfg, scales),
                                         **TIMING) * 1e3
         o = run(D, q, k8, v8, lens, sp, cfg, scales)
         kf = dequantize_kv(k8, ks).repeat_interleave(hq // hkv, 2)
-        vf = dequantize_kv(v8, vs).repeat_interleave(hq // hkv, 2)
+        vf = dequantize_kv(v_std, vs).repeat_interleave(hq // hkv, 2)
         p = (torch.einsum("bhd,bshd->bhs", q.float(), kf) * 128 ** -0.5).softmax(-1)
         err = (o.float() - torch.einsum("bhs,bshd->bhd", p, vf)).abs().max().item()
         del kf, vf, p
@@ -132,11 +151,13 @@ def main() -> None:
         floor = 2 * (k8.numel() + 4 * ks.numel()) / bw * 1e6
         print(f"{hq}/{hkv} {B}x{N}: floor {floor:.1f} | bf16 {t_bf16:.1f}"
               + (f" | previous fp8 {t_old:.1f}" if t_old else "")
+              + (f" | usual-layout rule {t_rows:.1f}" if t_rows else "")
               + " | " + " ".join(f"sp{s} {c}: {x:.1f}" for (s, c), x in times.items())
               + f" | rule sp{sp} {cfg}: {t:.1f} us, {100 * floor / t:.0f}% of floor, "
               f"{t_bf16 / t:.2f}x bf16" + (f", {t_old / t:.2f}x previous" if t_old else "")
+              + (f", {t_rows / t:.2f}x the usual layout" if t_rows else "")
               + f", max err {err:.1e}", flush=True)
-        del q, k8, v8, ks, vs
+        del q, k8, v8, v_std, ks, vs
 
 
 if __name__ == "__main__":

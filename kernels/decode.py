@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from longctx.backend import interpreter_active
+from longctx.fp8 import is_key_major
 from longctx.kernels.launch import Launch, stream_counters, stream_scratch
 from longctx.kernels.merge import _merge_parts, merge_states_launch
 from longctx.kernels.utils import (cdiv, device_capability, device_name, device_sms, head_tiles,
@@ -80,7 +81,7 @@ def _max_pair(a0, b0, a1, b1):
 @triton.jit
 def _attend_block(
     q, m_i, l_i, acc, u_v, n_start, end, k_head, v_head, bt_row, num_pages,
-    b64, stride_k0, stride_k1, stride_v0, stride_v1, qk_scale,
+    b64, stride_k0, stride_k1, stride_v0, stride_v1, stride_vd, qk_scale,
     ks_head, vs_head, stride_ks0, stride_ks1, stride_vs0, stride_vs1, q_hi, acc_hi,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -91,6 +92,7 @@ def _attend_block(
     FP8: tl.constexpr,
     FP8_WIDEN: tl.constexpr,
     D_HI: tl.constexpr,
+    V_KEY_MAJOR: tl.constexpr,
 ):
     """One online-softmax step over keys [n_start, n_start + BLOCK_N) clipped to `end`.
 
@@ -108,6 +110,10 @@ def _attend_block(
     rescaled with alpha when u_v grows, as for the running maximum): p * scale / u_v <= 1.
     Without it a cache of V values ~1e-4 lost 23% of the output's precision to float16's
     subnormals.
+
+    V_KEY_MAJOR: an fp8 V stored key-major (longctx.fp8: unit stride along keys, stride_vd
+    between head_dim columns), read 16 keys at a time and widened by Triton's conversion, which
+    then moves into P @ V's operand as K's does (P @ V reduces over keys, V's contiguous axis).
     """
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -144,7 +150,22 @@ def _attend_block(
             ks_rows = b64 * stride_ks0 + pos * stride_ks1
             vs_rows = b64 * stride_vs0 + pos * stride_vs1
 
-    if HEAD_DIM == BLOCK_D + D_HI:
+    if V_KEY_MAJOR:
+        # Keys run along V's rows here, so rows_n's clamp (which breaks their contiguity) is
+        # replaced by a mask per 16 keys: groups wholly past `end` are not read (zeros), the
+        # group holding `end` is read whole, its slots past the end finite by the cache's
+        # contract (longctx.fp8) and multiplied by p = 0. n_start is a multiple of BLOCK_N.
+        v_keys = tl.max_contiguous(tl.multiple_of(offs_n, 16), 16)
+        v_mask = tl.max_constancy((offs_n // 16) * 16 < end, 16)[:, None]
+        if HEAD_DIM == BLOCK_D:
+            k = tl.load(k_head + k_rows[:, None] + offs_d[None, :])
+        else:  # padded head_dim (as below)
+            d_ok = (offs_d < HEAD_DIM)[None, :]
+            k = tl.load(k_head + k_rows[:, None] + offs_d[None, :], mask=d_ok, other=0.0)
+            v_mask = v_mask & d_ok
+        v = tl.load(v_head + b64 * stride_v0 + v_keys[:, None] * stride_v1
+                    + offs_d[None, :].to(tl.int64) * stride_vd, mask=v_mask, other=0.0)
+    elif HEAD_DIM == BLOCK_D + D_HI:
         k = tl.load(k_head + k_rows[:, None] + offs_d[None, :])
         v = tl.load(v_head + v_rows[:, None] + offs_d[None, :])
     else:  # padded head_dim: its columns read as 0 (no bytes moved), so they add 0 to q.k
@@ -159,7 +180,7 @@ def _attend_block(
         # shared memory for ldmatrix. A third fewer shared-memory wavefronts, 12% faster at 32/4
         # heads 1 x 262144 on an H100 (BENCHMARKS.md, fp8 section). V's must stay impure.
         k = k.to(q.dtype)
-        v = _widen_e4m3(v, FP8_WIDEN, q.dtype)
+        v = v.to(q.dtype) if V_KEY_MAJOR else _widen_e4m3(v, FP8_WIDEN, q.dtype)
         k_sc = tl.load(ks_head + ks_rows)
         s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * (k_sc * qk_scale)[None, :]
     elif D_HI > 0:
@@ -217,7 +238,7 @@ def _decode_split_kernel(
     num_pages,
     stride_qb, stride_qh,
     stride_k0, stride_k1, stride_kh,  # dim0 = batch (contiguous) or page (paged)
-    stride_v0, stride_v1, stride_vh,
+    stride_v0, stride_v1, stride_vh, stride_vd,  # stride_vd: V's head_dim stride (1 unless key-major)
     stride_sl,
     stride_btb,
     stride_os, stride_ob, stride_oh,
@@ -243,8 +264,10 @@ def _decode_split_kernel(
     FP8: tl.constexpr = False,  # e4m3 K/V with float32 scales per (key, KV head)
     FP8_WIDEN: tl.constexpr = False,  # FP8: V's tiles widened by cvt (`_widen_e4m3`)
     D_HI: tl.constexpr = 0,  # a split head's second tile (`head_tiles`): BLOCK_D + D_HI = HEAD_DIM
+    V_KEY_MAJOR: tl.constexpr = False,  # FP8: V stored key-major (`_attend_block`, longctx.fp8)
 ):
     tl.static_assert(not (FP8 and D_HI > 0))  # an fp8 cache widens and scales whole tiles
+    tl.static_assert(not V_KEY_MAJOR or (FP8 and not PAGED))
     pdl_wait(USE_PDL)  # q and the newest K/V come from the kernels before
     split = tl.program_id(0)
     bh = tl.program_id(1)
@@ -323,20 +346,20 @@ def _decode_split_kernel(
         while n_start < end:
             m_i, l_i, acc, u_v, acc_hi = _attend_block(
                 q, m_i, l_i, acc, u_v, n_start, end, k_head, v_head, bt_row, num_pages,
-                b64, stride_k0, stride_k1, stride_v0, stride_v1, qk_scale,
+                b64, stride_k0, stride_k1, stride_v0, stride_v1, stride_vd, qk_scale,
                 ks_head, vs_head, stride_ks0, stride_ks1, stride_vs0, stride_vs1, q_hi, acc_hi,
                 HEAD_DIM, BLOCK_D, BLOCK_N, PAGED, PAGE_SIZE, INPUT_PRECISION, FP8, FP8_WIDEN,
-                D_HI)
+                D_HI, V_KEY_MAJOR)
             n_start += BLOCK_N
     else:
         for it in range(start, end, BLOCK_N):
             m_i, l_i, acc, u_v, acc_hi = _attend_block(
                 q, m_i, l_i, acc, u_v, tl.multiple_of(it, BLOCK_N), end, k_head, v_head, bt_row,
                 num_pages,
-                b64, stride_k0, stride_k1, stride_v0, stride_v1, qk_scale,
+                b64, stride_k0, stride_k1, stride_v0, stride_v1, stride_vd, qk_scale,
                 ks_head, vs_head, stride_ks0, stride_ks1, stride_vs0, stride_vs1, q_hi, acc_hi,
                 HEAD_DIM, BLOCK_D, BLOCK_N, PAGED, PAGE_SIZE, INPUT_PRECISION, FP8, FP8_WIDEN,
-                D_HI)
+                D_HI, V_KEY_MAJOR)
 
     # ---- normalised partial output + natural-log LSE ----
     empty = l_i == 0.0
@@ -404,10 +427,10 @@ def _decode_split_kernel(
 
 def _launch_config(head_dim: int, dtype: torch.dtype, block_h: int, keys_per_split: int,
                    device: torch.device, fp8: bool = False,
-                   programs: int = 0) -> tuple[int, int, int]:
+                   programs: int = 0, key_major: bool = False) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages) for the dots' dtype / head_dim / BLOCK_H / split length;
     fp8: an fp8 cache (dtype is then what its tiles are widened to), launched on `programs`
-    programs.
+    programs; key_major: its V stored key-major (longctx.fp8).
 
     Half precision, head_dim <= 128, measured with bench/tune_decode.py (16/2 heads, fp16,
     graph replay; bench/results/tune-decode-*.txt): shorter splits prefer BLOCK_N 64 (2 stages
@@ -433,6 +456,11 @@ def _launch_config(head_dim: int, dtype: torch.dtype, block_h: int, keys_per_spl
         # conversion moved into the dot's operand (fp8-decode-k-layout-h100.txt): same picks.
         # On an H200 (fp8-decode-h200.txt) the four programs take 3 stages (56 KB each): 9-11%
         # faster at 1 x 262144 and 1 x 1048576; on an H100 within 2% either way (a tie).
+        if key_major:
+            # V key-major (no float16 copy of either tile, 63 KB a program at 3 stages): two
+            # programs a SM of 128 keys, 4 warps, 3 stages were the best launch at every long
+            # shape on an H100 and an H200 (fp8-decode-h200.txt, the probe; KEY_MAJOR_SPLITS).
+            return 128, 4, 3
         sms = device_sms(device)
         if programs > 2 * sms:
             return 64, 2, (2 if "H100" in device_name(device) else 3)
@@ -492,6 +520,7 @@ def _split_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_h = _block_h(group)
     keys = cdiv(capacity, num_splits)
     fp8 = k_scale is not None
+    key_major = fp8 and is_key_major(v_cache)
     # The dtype the dots run in: the cache's; for an fp8 cache float32 with a float32 q, else
     # float16 (the kernel's `_widen_e4m3`).
     compute = (k_cache.dtype if not fp8
@@ -503,14 +532,15 @@ def _split_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              and (device_capability(q.device) or (0, 0)) >= (8, 9))
     programs = num_splits * B * Hkv * cdiv(group, block_h)
     block_n, num_warps, num_stages = config or _launch_config(D, compute, block_h, keys, q.device,
-                                                              fp8, programs)
+                                                              fp8, programs, key_major)
     # fp32: exact fp32 products (tf32 would cost ~1e-3 relative error).
     precision = "ieee" if compute == torch.float32 else "tf32"
     sks = k_scale.stride() if fp8 else (0, 0, 0)
     svs = v_scale.stride() if fp8 else (0, 0, 0)
     sk, sv = k_cache.stride(), v_cache.stride()
     # (a multiple of 16 is specialised by Triton anyway: a power-of-two D compiles unchanged)
-    kv_strides_8 = D % 16 != 0 and all(x % 8 == 0 for x in (*sk[:3], *sv[:3]))
+    kv_strides_8 = (D % 16 != 0 and not key_major
+                    and all(x % 8 == 0 for x in (*sk[:3], *sv[:3])))
     # Fused merge: the last program of a group merges MERGE_H query heads (its own, padded to a
     # power of two) over MERGE_P splits per load, 64 float32 registers per thread of tile.
     # Unfused launches keep the defaults: one binary whatever the split count.
@@ -527,7 +557,7 @@ def _split_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
          q.dtype if fused_merge else out_dtype, torch.float32, torch.int32,
          torch.float32, torch.float32),
         (float(softmax_scale) * _LOG2E, num_splits, capacity, num_pages,
-         q.stride(0), q.stride(-2), *sk[:3], *sv[:3],
+         q.stride(0), q.stride(-2), *sk[:3], *sv[:3], sv[3],
          0 if cache_seqlens is None else cache_seqlens.stride(0), stride_btb,
          B * Hq * D, Hq * D, D,  # o_part, contiguous
          B * Hq, Hq,  # lse_part, contiguous
@@ -537,7 +567,7 @@ def _split_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              PAGED=paged, PAGE_SIZE=page_size, INPUT_PRECISION=precision,
              INTERPRET_LOOP=_INTERPRET,
              HAS_SEQLENS=cache_seqlens is not None, **merge, KV_STRIDES_8=kv_strides_8, FP8=fp8,
-             FP8_WIDEN=widen, D_HI=d_hi,
+             FP8_WIDEN=widen, D_HI=d_hi, V_KEY_MAJOR=key_major,
              num_warps=num_warps,
              num_stages=num_stages, **pdl_launch(q.device)))
 
@@ -627,8 +657,10 @@ class DecodePlan:
         if num_splits is None:
             capacity = (block_table.shape[1] * k_cache.shape[1] if block_table is not None
                         else k_cache.shape[1])
-            num_splits = choose_num_splits(B, k_cache.shape[2], capacity, device_sms(q.device),
-                                           **splits_rule(D, k_scale is not None, q.device))
+            num_splits = choose_num_splits(
+                B, k_cache.shape[2], capacity, device_sms(q.device),
+                **splits_rule(D, k_scale is not None, q.device,
+                              k_scale is not None and is_key_major(v_cache)))
         self.num_splits, self.return_lse = num_splits, return_lse
         self.lse_shape = (B, Hq)
         rows = B * Hq
@@ -773,15 +805,18 @@ def flash_decode(
 # 3-6% faster than two of 4), up to 256 splits, while splits keep >= 1024 keys (at 512 keys,
 # 64 x 1024 with 16/2 heads, two per SM lose 22%).
 FP8_SPLITS = dict(programs_per_sm=4, min_keys_per_split=1024, max_splits=256)
+# An fp8 cache whose V is key-major (longctx.fp8): two programs of 4 warps per SM
+# (`_launch_config`; the probe in bench/results/fp8-decode-h200.txt).
+KEY_MAJOR_SPLITS = dict(programs_per_sm=2, min_keys_per_split=1024)
 # A head_dim split into two tiles on a GPU not named H100 (`splits_rule`): two programs per SM.
 SPLIT_HEAD_SPLITS = dict(programs_per_sm=2, min_keys_per_split=1024)
 
 
-def splits_rule(head_dim: int, fp8: bool, device: torch.device) -> dict:
+def splits_rule(head_dim: int, fp8: bool, device: torch.device, key_major: bool = False) -> dict:
     """choose_num_splits' arguments for a decode kernel: FP8_SPLITS (four programs per SM while
-    splits keep >= 1024 keys) for an fp8 cache, SPLIT_HEAD_SPLITS (two per SM, the same bound)
-    for a head_dim split into two tiles (`head_tiles`: 96 = 64 + 32) on a GPU not named H100;
-    else {} (one wave).
+    splits keep >= 1024 keys) for an fp8 cache, KEY_MAJOR_SPLITS (two per SM) when its V is
+    key-major, SPLIT_HEAD_SPLITS (two per SM, the same bound) for a head_dim split into two
+    tiles (`head_tiles`: 96 = 64 + 32) on a GPU not named H100; else {} (one wave).
 
     The split head's loop issues two dots per key block and, like the fp8 loop, runs better with
     more than one program to an SM where splits are long. Swept on an H200 at D=96, 16/2 heads
@@ -791,7 +826,7 @@ def splits_rule(head_dim: int, fp8: bool, device: torch.device) -> dict:
     gained 2% at 1 x 65536 and lost 1.5% at 8 x 8192, so splits stay >= 1024 keys. On an H100
     128 splits were 1.5% slower at 1 x 262144 (bench/results/tune-decode-d96-split-h100.txt)."""
     if fp8:
-        return FP8_SPLITS
+        return KEY_MAJOR_SPLITS if key_major else FP8_SPLITS
     if head_tiles(head_dim, SPLIT_HEADS)[1] and "H100" not in device_name(device):
         return SPLIT_HEAD_SPLITS
     return {}

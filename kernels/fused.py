@@ -173,10 +173,11 @@ def _div_rn(a, b):
 
 @triton.jit
 def _store_fp8_kernel(X, Y, S, stride_xb, stride_xs, stride_xh, stride_yb, stride_ys, stride_yh,
-                      stride_sb, stride_ss, SEQ, H, BLOCK_H: tl.constexpr, D: tl.constexpr,
-                      BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr):
+                      stride_yd, stride_sb, stride_ss, SEQ, H, BLOCK_H: tl.constexpr,
+                      D: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr):
     # One program per token t = b * SEQ + s: its H heads quantized (one scale per head), the fp8
-    # rows to Y and the scales to S (unit stride in the head dim).
+    # rows to Y (any strides: stride_yd is 1, a constant once specialised, unless Y is a
+    # key-major V) and the scales to S (unit stride in the head dim).
     pdl_wait(USE_PDL)
     t = tl.program_id(0)
     b = (t // SEQ).to(tl.int64)
@@ -188,21 +189,56 @@ def _store_fp8_kernel(X, Y, S, stride_xb, stride_xs, stride_xh, stride_yb, strid
     x = tl.load(X + b * stride_xb + s * stride_xs + head * stride_xh + offs_d[None, :], mask=mask,
                 other=0.0).to(tl.float32)
     scale, div = _fp8_scale(tl.max(tl.abs(x), axis=1))
-    tl.store(Y + b * stride_yb + s * stride_ys + head * stride_yh + offs_d[None, :],
+    y_cols = offs_d[None, :].to(tl.int64) * stride_yd
+    tl.store(Y + b * stride_yb + s * stride_ys + head * stride_yh + y_cols,
              _div_rn(x, div[:, None]).to(Y.dtype.element_ty), mask=mask)
     tl.store(S + b * stride_sb + s * stride_ss + offs_h, scale, mask=offs_h < H)
 
 
+@triton.jit
+def _store_fp8_keys_kernel(X, Y, S, stride_xb, stride_xs, stride_xh, stride_yb, stride_yh,
+                           stride_yd, stride_sb, stride_ss, stride_sh, SEQ, H,
+                           BLOCK_S: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                           USE_PDL: tl.constexpr):
+    # `_store_fp8_kernel` into a key-major Y (unit stride along tokens): program (b * H + h, j)
+    # quantizes tokens [j BLOCK_S, (j + 1) BLOCK_S) of head h, each row with its own scale, and
+    # writes the tile transposed, so that each head_dim column's bytes go out as runs of
+    # BLOCK_S keys (one program per token would store every byte alone: a prefill chunk's
+    # write scattered over D rows).
+    pdl_wait(USE_PDL)
+    bh = tl.program_id(0)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    offs_s = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = _cols_mask((offs_s < SEQ)[:, None], D, BLOCK_D)
+    rows = offs_s.to(tl.int64)
+    x = tl.load(X + b * stride_xb + h * stride_xh + rows[:, None] * stride_xs + offs_d[None, :],
+                mask=mask, other=0.0).to(tl.float32)
+    scale, div = _fp8_scale(tl.max(tl.abs(x), axis=1))
+    y = Y + b * stride_yb + h * stride_yh + offs_d[None, :].to(tl.int64) * stride_yd + rows[:, None]
+    tl.store(y, _div_rn(x, div[:, None]).to(Y.dtype.element_ty), mask=mask)
+    tl.store(S + b * stride_sb + h * stride_sh + rows * stride_ss, scale, mask=offs_s < SEQ)
+
+
 def store_fp8(dst: torch.Tensor, dst_scale: torch.Tensor, x: torch.Tensor) -> None:
     """dst, dst_scale = quantize_kv(x): x [B, S, H, D] (unit stride in D) into the fp8 view dst
-    [B, S, H, D] (unit stride in D) and its float32 scales dst_scale [B, S, H] (unit stride in
-    H), in one pass."""
+    [B, S, H, D] (any strides: e.g. a key-major V, longctx.fp8, written in tiles of tokens) and
+    its float32 scales dst_scale [B, S, H] (unit stride in H), in one pass."""
     B, S, H, D = x.shape
     if B * S == 0:
         return
+    if dst.stride(1) == 1 and dst.stride(3) != 1 and D > 1:  # key-major
+        block_s = 64
+        _store_fp8_keys_kernel[(B * H, cdiv(S, block_s))](
+            x, dst, dst_scale, x.stride(0), x.stride(1), x.stride(2), dst.stride(0),
+            dst.stride(2), dst.stride(3), dst_scale.stride(0), dst_scale.stride(1),
+            dst_scale.stride(2), S, H, BLOCK_S=block_s, D=D, BLOCK_D=next_power_of_2(D),
+            num_warps=4, **pdl_launch(x.device))
+        return
     _store_fp8_kernel[(B * S,)](
         x, dst, dst_scale, x.stride(0), x.stride(1), x.stride(2), dst.stride(0), dst.stride(1),
-        dst.stride(2), dst_scale.stride(0), dst_scale.stride(1), S, H,
+        dst.stride(2), dst.stride(3), dst_scale.stride(0), dst_scale.stride(1), S, H,
         BLOCK_H=next_power_of_2(H), D=D, BLOCK_D=next_power_of_2(D),
         num_warps=4 if H * D >= 2048 else 2, **pdl_launch(x.device))
 
@@ -246,14 +282,17 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 @triton.jit
 def _rope_store_kv_kernel(Q, K, V, COS, SIN, POS, KC, VC, SLOT, KS, VS, S_MAX,
                           stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
-                          stride_p, stride_t, stride_cb, stride_cs, stride_ch, stride_sb,
+                          stride_p, stride_t, stride_kcb, stride_kcs, stride_kch, stride_kcd,
+                          stride_vcb, stride_vcs, stride_vch, stride_vcd, stride_sb,
                           stride_ss, HQ, HKV,
                           HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr,
                           USE_PDL: tl.constexpr, FP8: tl.constexpr = False):
     # A decode step's RoPE and KV store, one token per sequence b = program_id(0): programs
     # j < cdiv(HQ, BLOCK_H) rotate a block of q heads in place (as _rope_kernel); the others
     # rotate a block of k heads in place too and write them and the same v heads at cache
-    # position SLOT[b], skipping a slot out of range (as _store_kv_kernel).
+    # position SLOT[b], skipping a slot out of range (as _store_kv_kernel). Each cache has its
+    # own strides (b, s, h, d); a head_dim stride of 1 is a constant once specialised, anything
+    # else is a key-major V (longctx.fp8).
     pdl_wait(USE_PDL)
     b = tl.program_id(0).to(tl.int64)
     cos, sin = _rope_angles(COS, SIN, POS + b * stride_p, stride_t, HALF, BLOCK_HALF)
@@ -275,7 +314,10 @@ def _rope_store_kv_kernel(Q, K, V, COS, SIN, POS, KC, VC, SLOT, KS, VS, S_MAX,
         mask = tl.where((slot >= 0) & (slot < S_MAX),
                         _cols_mask((offs_h < HKV)[:, None], HALF, BLOCK_HALF), False)
         offs_d = tl.arange(0, BLOCK_HALF)[None, :]
-        dst = b * stride_cb + slot * stride_cs + head * stride_ch + offs_d
+        cols = offs_d.to(tl.int64)
+        k_dst = KC + b * stride_kcb + slot * stride_kcs + head * stride_kch + cols * stride_kcd
+        v_dst = VC + b * stride_vcb + slot * stride_vcs + head * stride_vch + cols * stride_vcd
+        k_hi, v_hi = HALF * stride_kcd, HALF * stride_vcd  # the second half-head's offset
         src = V + b * stride_vb + head * stride_vh + offs_d
         if FP8:
             # Quantize the rotated k (rounded to k's dtype, as stored otherwise) and v: one
@@ -291,17 +333,17 @@ def _rope_store_kv_kernel(Q, K, V, COS, SIN, POS, KC, VC, SLOT, KS, VS, S_MAX,
                                                    tl.max(tl.abs(v2), axis=1)))
             tl.store(KS + dst_s, k_scale, mask=s_mask)
             tl.store(VS + dst_s, v_scale, mask=s_mask)
-            tl.store(KC + dst, _div_rn(k1, k_div[:, None]).to(KC.dtype.element_ty), mask=mask)
-            tl.store(KC + dst + HALF, _div_rn(k2, k_div[:, None]).to(KC.dtype.element_ty),
+            tl.store(k_dst, _div_rn(k1, k_div[:, None]).to(KC.dtype.element_ty), mask=mask)
+            tl.store(k_dst + k_hi, _div_rn(k2, k_div[:, None]).to(KC.dtype.element_ty),
                      mask=mask)
-            tl.store(VC + dst, _div_rn(v1, v_div[:, None]).to(VC.dtype.element_ty), mask=mask)
-            tl.store(VC + dst + HALF, _div_rn(v2, v_div[:, None]).to(VC.dtype.element_ty),
+            tl.store(v_dst, _div_rn(v1, v_div[:, None]).to(VC.dtype.element_ty), mask=mask)
+            tl.store(v_dst + v_hi, _div_rn(v2, v_div[:, None]).to(VC.dtype.element_ty),
                      mask=mask)
         else:
-            tl.store(KC + dst, k1, mask=mask)
-            tl.store(KC + dst + HALF, k2, mask=mask)
-            tl.store(VC + dst, tl.load(src, mask=mask), mask=mask)
-            tl.store(VC + dst + HALF, tl.load(src + HALF, mask=mask), mask=mask)
+            tl.store(k_dst, k1, mask=mask)
+            tl.store(k_dst + k_hi, k2, mask=mask)
+            tl.store(v_dst, tl.load(src, mask=mask), mask=mask)
+            tl.store(v_dst + v_hi, tl.load(src + HALF, mask=mask), mask=mask)
 
 
 def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
@@ -310,9 +352,10 @@ def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
                   v_scale: torch.Tensor | None = None) -> None:
     """rope_ of q [B, Hq, D] and k [B, Hkv, D] in place at positions pos [B] (any stride), then
     store_kv of k and v [B, Hkv, D] at slot [B] int64: one launch. q/k/v unit stride in D;
-    caches [B, S_max, Hkv, D] contiguous; cos/sin the [max_seq_len, D] float32 tables. An fp8
-    cache (float8_e4m3fn) stores quantize_kv of k and v, their scales to k_scale / v_scale
-    [B, S_max, Hkv] float32 contiguous."""
+    caches [B, S_max, Hkv, D] of any strides (e.g. an fp8 V stored key-major, longctx.fp8);
+    cos/sin the [max_seq_len, D] float32 tables. An fp8 cache (float8_e4m3fn) stores
+    quantize_kv of k and v, their scales to k_scale / v_scale [B, S_max, Hkv] float32
+    contiguous."""
     B, HQ, D = q.shape
     HKV = k.shape[1]
     BLOCK_H = min(next_power_of_2(HQ), 16)
@@ -321,7 +364,7 @@ def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
     _rope_store_kv_kernel[(B, cdiv(HQ, BLOCK_H) + cdiv(HKV, BLOCK_H))](
         q, k, v, cos, sin, pos, k_cache, v_cache, slot, ks, vs, k_cache.shape[1], q.stride(0),
         q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), pos.stride(0),
-        cos.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        cos.stride(0), *k_cache.stride(), *v_cache.stride(),
         ks.stride(0) if fp8 else 0, ks.stride(1) if fp8 else 0, HQ, HKV,
         HALF=D // 2, BLOCK_HALF=next_power_of_2(D // 2), BLOCK_H=BLOCK_H, FP8=fp8, num_warps=2,
         **pdl_launch(q.device))

@@ -20,7 +20,10 @@ Features
   offset tensors live in registers.
 * An fp8 (e4m3) KV cache (dense, ``FP8``): its tiles are widened to q's dtype
   and its float32 scales per (key, KV head) applied per key (a chunked prefill
-  over the fp8 history; longctx.fp8).
+  over the fp8 history; longctx.fp8). Its V may be key-major (``V_KEY_MAJOR``:
+  the decode kernel's layout, longctx.fp8.key_major_v): V's descriptor is then
+  over V transposed, [D, Sk] with unit stride along keys, its tiles transposed
+  after the load.
 * head_dim D: any multiple of 8 in [16, 256]. Tiles are BLOCK_D = D padded to a
   power of two wide; the descriptors span D columns, so columns D .. BLOCK_D - 1
   load as 0 (adding 0 to Q K^T) and are dropped from the O store, with no mask
@@ -56,6 +59,7 @@ import triton.language as tl
 
 from longctx.backend import interpreter_active
 from longctx.checks import check_accumulator
+from longctx.fp8 import check_key_major, is_key_major
 from longctx.kernels.launch import Launch, stream_scratch
 from longctx.kernels.merge import _rescale, _state_lse
 from longctx.kernels.utils import cdiv, device_capability, next_power_of_2
@@ -80,6 +84,7 @@ def _attn_fwd_step(
     CAUSAL: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     FP8: tl.constexpr,
+    V_KEY_MAJOR: tl.constexpr,
 ):
     """Fold one KV tile (keys ``start_n + offs_n``) into the running softmax state.
 
@@ -98,6 +103,8 @@ def _attn_fwd_step(
     MASKED=True: diagonal band and/or ragged KV tail.
     FP8: K/V tiles are e4m3, widened to q's dtype; key j's float32 scales (ks_ptr / vs_ptr +
     j * stride) multiply its score column and, before P @ V, its probability column.
+    V_KEY_MAJOR: v_desc is V transposed, [HEAD_DIM, seqlen_k] with [BLOCK_D, BLOCK_N] blocks
+    (a key-major fp8 V, longctx.fp8); its tile is loaded at [0, start_n] and transposed.
     """
     k = k_desc.load([start_n, 0])
     if FP8:
@@ -131,7 +138,10 @@ def _attn_fwd_step(
     acc = acc * alpha[:, None]
 
     # ---- O += P V ---------------------------------------------------------------
-    v = v_desc.load([start_n, 0])
+    if V_KEY_MAJOR:
+        v = v_desc.load([0, start_n]).T
+    else:
+        v = v_desc.load([start_n, 0])
     if FP8:
         v = v.to(q.dtype)
         p = p * tl.load(vs_ptr + (start_n + offs_n) * stride_vss, mask=keys_in, other=0.0)[None, :]
@@ -153,6 +163,7 @@ def _attn_fwd_inner(
     INPUT_PRECISION: tl.constexpr,
     INTERPRET: tl.constexpr,
     FP8: tl.constexpr,
+    V_KEY_MAJOR: tl.constexpr,
 ):
     """Consume KV tiles ``[lo, hi)`` (``lo`` a multiple of BLOCK_N); returns (acc, l_i, m_i)."""
     if INTERPRET:
@@ -163,7 +174,7 @@ def _attn_fwd_inner(
             acc, l_i, m_i = _attn_fwd_step(
                 acc, l_i, m_i, q, k_desc, v_desc, start_n, offs_m, offs_n,
                 delta, seqlen_k, qk_scale, ks_ptr, vs_ptr, stride_kss, stride_vss,
-                MASKED, CAUSAL, INPUT_PRECISION, FP8)
+                MASKED, CAUSAL, INPUT_PRECISION, FP8, V_KEY_MAJOR)
             start_n += BLOCK_N
     else:
         # scf.for with runtime bounds: software-pipelined by num_stages (TMA loads).
@@ -172,7 +183,7 @@ def _attn_fwd_inner(
             acc, l_i, m_i = _attn_fwd_step(
                 acc, l_i, m_i, q, k_desc, v_desc, start_n, offs_m, offs_n,
                 delta, seqlen_k, qk_scale, ks_ptr, vs_ptr, stride_kss, stride_vss,
-                MASKED, CAUSAL, INPUT_PRECISION, FP8)
+                MASKED, CAUSAL, INPUT_PRECISION, FP8, V_KEY_MAJOR)
     return acc, l_i, m_i
 
 
@@ -186,7 +197,7 @@ def _attn_fwd_kernel(
     K_SCALE, V_SCALE,          # FP8: float32 [B, Sk, Hkv] per-key scales (dummies otherwise)
     stride_qb, stride_qs, stride_qh,  # head_dim stride is 1 (tensor descriptors need it)
     stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh,
+    stride_vb, stride_vs, stride_vh, stride_vd,  # stride_vd: 1, or V_KEY_MAJOR's (stride_vs 1)
     stride_ob, stride_os, stride_oh,
     stride_lb, stride_lh, stride_ls,
     seqlen_q_dense, seqlen_k_dense,
@@ -208,6 +219,7 @@ def _attn_fwd_kernel(
     M_FASTEST: tl.constexpr = False,
     ACCUMULATE: tl.constexpr = False,
     FP8: tl.constexpr = False,  # e4m3 K/V (dense) with float32 scales per (key, KV head)
+    V_KEY_MAJOR: tl.constexpr = False,  # FP8's V stored key-major (longctx.fp8)
 ):
     """One program = one (batch, q head, BLOCK_M query rows) tile.
 
@@ -269,8 +281,13 @@ def _attn_fwd_kernel(
                                        block_shape=[BLOCK_M, BLOCK_D])
     k_desc = tl.make_tensor_descriptor(K + k_base, shape=[seqlen_k, HEAD_DIM],
                                        strides=[stride_ks, 1], block_shape=[BLOCK_N, BLOCK_D])
-    v_desc = tl.make_tensor_descriptor(V + v_base, shape=[seqlen_k, HEAD_DIM],
-                                       strides=[stride_vs, 1], block_shape=[BLOCK_N, BLOCK_D])
+    if V_KEY_MAJOR:
+        # V transposed, keys contiguous: TMA zero-fills keys past seqlen_k as it does K's rows.
+        v_desc = tl.make_tensor_descriptor(V + v_base, shape=[HEAD_DIM, seqlen_k],
+                                           strides=[stride_vd, 1], block_shape=[BLOCK_D, BLOCK_N])
+    else:
+        v_desc = tl.make_tensor_descriptor(V + v_base, shape=[seqlen_k, HEAD_DIM],
+                                           strides=[stride_vs, 1], block_shape=[BLOCK_N, BLOCK_D])
     q = q_desc.load([m0, 0])
     ks_ptr = K_SCALE + b64 * stride_ksb + off_kvh.to(tl.int64) * stride_ksh
     vs_ptr = V_SCALE + b64 * stride_vsb + off_kvh.to(tl.int64) * stride_vsh
@@ -307,12 +324,12 @@ def _attn_fwd_kernel(
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_desc, v_desc, 0, mid, offs_m, offs_n, delta, seqlen_k, qk_scale,
         ks_ptr, vs_ptr, stride_kss, stride_vss, BLOCK_N, False, CAUSAL, INPUT_PRECISION,
-        INTERPRET, FP8)
+        INTERPRET, FP8, V_KEY_MAJOR)
     # Stage 2: diagonal band (+ ragged KV tail).
     acc, l_i, m_i = _attn_fwd_inner(
         acc, l_i, m_i, q, k_desc, v_desc, mid, hi, offs_m, offs_n, delta, seqlen_k, qk_scale,
         ks_ptr, vs_ptr, stride_kss, stride_vss, BLOCK_N, True, CAUSAL, INPUT_PRECISION,
-        INTERPRET, FP8)
+        INTERPRET, FP8, V_KEY_MAJOR)
 
     # ---- epilogue: normalise; empty rows -> O = 0, LSE = -inf ---------------
     empty = l_i == 0.0
@@ -646,7 +663,8 @@ def flash_attention_fwd(
     Dense k/v may be an fp8 cache (float8_e4m3fn, q in a wider dtype) with k_scale / v_scale
     float32 [B, Sk, Hkv] (unit stride in Hkv): key j is k[:, j] * k_scale[:, j] (longctx.fp8),
     the tiles widened to q's dtype in the kernel and the scales applied per key. head_dim must
-    then be a multiple of 16 (TMA's 16-byte alignment of the fp8 rows). Triton kernel only.
+    then be a multiple of 16 (TMA's 16-byte alignment of the fp8 rows). v may then be stored
+    key-major (longctx.fp8.key_major_v; `check_key_major`'s layout). Triton kernel only.
 
     accumulate (dense only): (o_acc [B, Sq, Hq, D] float32, lse_acc [B, Sq, Hq] float32), a
     running state as `longctx.merge.merge_into` keeps it; the result is merged into it in
@@ -682,13 +700,19 @@ def check_prefill_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """What `flash_attention_fwd` itself relies on beyond longctx.attention's checks (a function
     of shapes, strides, dtypes and devices only)."""
     is_varlen = cu_seqlens_q is not None
-    if any(t.stride(-1) != 1 for t in (q, k, v)):
-        raise ValueError("q, k, v need unit stride in head_dim (the tiles move by TMA)")
+    key_major = k_scale is not None and is_key_major(v)  # an fp8 V stored keys-contiguous
+    if any(t.stride(-1) != 1 for t in (q, k)) or (v.stride(-1) != 1 and not key_major):
+        raise ValueError("q, k, v need unit stride in head_dim (the tiles move by TMA; only an "
+                         "fp8 v may be key-major)")
     if k_scale is not None:
         if is_varlen or accumulate is not None:
             raise ValueError("k_scale / v_scale (an fp8 k/v) are for dense inputs without "
                              "accumulate")
-        if q.shape[-1] % 16 or any(x % 16 for t in (k, v) for x in t.stride()[:3]):
+        if key_major:
+            check_key_major(v, "v")
+        # A key-major V's descriptor rows run along head_dim (stride_vs is 1).
+        v_strides = (v.stride(0), v.stride(2), v.stride(3)) if key_major else v.stride()[:3]
+        if q.shape[-1] % 16 or any(x % 16 for x in (*k.stride()[:3], *v_strides)):
             raise ValueError(f"an fp8 k/v needs head_dim a multiple of 16 and strides of 16 bytes "
                              f"(TMA), got head_dim {q.shape[-1]}, k strides {k.stride()}, v "
                              f"strides {v.stride()}")
@@ -738,7 +762,7 @@ class PrefillPlan:
             # Batch stride 0: sequence starts come from cu_seqlens.
             sq_b, sq_s, sq_h = 0, q.stride(0), q.stride(1)
             sk_b, sk_s, sk_h = 0, k.stride(0), k.stride(1)
-            sv_b, sv_s, sv_h = 0, v.stride(0), v.stride(1)
+            sv_b, sv_s, sv_h, sv_d = 0, v.stride(0), v.stride(1), 1
             self.lse_shape = (total_q, hq)
             so_b, so_s, so_h = 0, hq * d, d
             sl_b, sl_h, sl_s = 0, 1, hq
@@ -752,7 +776,7 @@ class PrefillPlan:
             max_seqlen_q, max_seqlen_k = sq, sk
             sq_b, sq_s, sq_h, _ = q.stride()
             sk_b, sk_s, sk_h, _ = k.stride()
-            sv_b, sv_s, sv_h, _ = v.stride()
+            sv_b, sv_s, sv_h, sv_d = v.stride()
             if accumulate is None:
                 self.lse_shape = (batch, sq, hq)
                 so_b, so_s, so_h = sq * hq * d, hq * d, d
@@ -796,13 +820,14 @@ class PrefillPlan:
             (q.dtype, k.dtype, v.dtype, o_dtype, torch.float32,
              q_start.dtype if qs_t else None, k_start.dtype if ks_t else None, *cu_dtypes,
              torch.float32, torch.float32),
-            (sq_b, sq_s, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h, so_b, so_s, so_h,
+            (sq_b, sq_s, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h, sv_d, so_b, so_s, so_h,
              sl_b, sl_h, sl_s, seqlen_q_dense, seqlen_k_dense, max_seqlen_q,
              hq, hq // hkv, float(softmax_scale) * _LOG2E, *scale_strides),
             dict(HEAD_DIM=d, BLOCK_D=block_d, CAUSAL=bool(causal), IS_VARLEN=is_varlen,
                  Q_START_IS_TENSOR=qs_t, K_START_IS_TENSOR=ks_t, INPUT_PRECISION=input_precision,
                  INTERPRET=_INTERPRET, ACCUMULATE=accumulate is not None, **cfg,
-                 num_warps=num_warps, num_stages=num_stages, **({"FP8": True} if fp8 else {})))
+                 num_warps=num_warps, num_stages=num_stages, **({"FP8": True} if fp8 else {}),
+                 **({"V_KEY_MAJOR": True} if fp8 and is_key_major(v) else {})))
 
     def _offset(self, x: int | torch.Tensor, i: int, batch: int) -> int | torch.Tensor:
         """A start offset as the kernel takes it: a python int, or a contiguous [batch] tensor."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from longctx.fp8 import FP8, check_kv_scales
+from longctx.fp8 import FP8, check_key_major, check_kv_scales, is_key_major
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -69,7 +69,8 @@ def check_attention_inputs(
     v_scale: object = None,
 ) -> None:
     """q [B, Sq, Hq, D], k/v [B, Sk, Hkv, D] (varlen: [total, H, D]): shapes, dtype, device,
-    strides, head_dim, GQA and scale; an fp8 k/v's scales (longctx.fp8.check_kv_scales).
+    strides (unit in head_dim, but a dense fp8 v may be key-major: longctx.fp8.check_key_major),
+    head_dim, GQA and scale; an fp8 k/v's scales (longctx.fp8.check_kv_scales).
 
     Shared by `attention` and the ring, which must reject bad input before any rank communicates.
     """
@@ -79,8 +80,13 @@ def check_attention_inputs(
         check_tensor(name, t)
         if t.dim() != nd:
             raise ValueError(f"{name} must be {layout}, got shape {tuple(t.shape)}")
-        if t.stride(-1) != 1:
+    # An fp8 cache's V may be stored key-major (longctx.fp8), dense only.
+    key_major = not varlen and k.dtype == FP8 and is_key_major(v)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(-1) != 1 and not (t is v and key_major):
             raise ValueError(f"{name} must have unit stride in its last (head_dim) dim")
+    if key_major:
+        check_key_major(v, "v")
     check_dtype(q, "q")
     if k.dtype == FP8:  # an fp8 cache's history: q keeps its dtype, the scales come along
         check_same(k, "k", v=v)

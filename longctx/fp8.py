@@ -43,9 +43,10 @@ def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def dequantize_kv(x_fp8: torch.Tensor, scale: torch.Tensor,
                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """x_fp8 [..., D] float8_e4m3fn, scale [...] float32 -> x_fp8 * scale [..., D] in `dtype`
-    (the product in float32, exact in float64 for dtype float64, then rounded to dtype)."""
+    (the product in float32, exact in float64 for dtype float64, then rounded to dtype),
+    contiguous whatever x_fp8's layout (a key-major V's strides would otherwise carry over)."""
     wide = torch.float64 if dtype == torch.float64 else torch.float32
-    return (x_fp8.to(wide) * scale[..., None].to(wide)).to(dtype)
+    return (x_fp8.to(wide) * scale[..., None].to(wide)).to(dtype).contiguous()
 
 
 # Triton compiles float8_e4m3fn for sm_89 (Ada) and later only (so does the decode kernel's
@@ -75,6 +76,57 @@ def kv_bytes_per_element(cache_dtype: torch.dtype, head_dim: int) -> float:
     per head_dim elements)."""
     e = torch.empty((), dtype=cache_dtype).element_size()
     return e + (4 / head_dim if cache_dtype == FP8 else 0)
+
+
+# Key-major V: an fp8 V cache may be stored with its keys contiguous, physically [B, Hkv, D, S_pad]
+# (S_pad: S rounded up to KEY_MAJOR_ALIGN), seen as the usual [B, S, Hkv, D] view with strides
+# (Hkv * D * S_pad, 1, D * S_pad, S_pad). P @ V reduces over keys, so that layout lets the decode
+# kernel take V's e4m3 tile straight into the dot's operand as it does K's, with no float16 copy
+# through shared memory (1.15-1.33x on an H200: BENCHMARKS.md, fp8 section). The kernels read a
+# key-major V 16 keys at a time: slots from a sequence's length up to the next multiple of 16 are
+# read (times a zero probability), so they must hold finite values; a cache from `key_major_v`
+# (zero-filled) and written by longctx's kernels always does.
+KEY_MAJOR_ALIGN = 16
+
+
+def key_major_v(shape: tuple[int, int, int, int], device: torch.device | str) -> torch.Tensor:
+    """A zero-filled fp8 V cache of logical shape [B, S, Hkv, D], stored key-major (above)."""
+    B, S, H, D = shape
+    s_pad = -(-max(S, 1) // KEY_MAJOR_ALIGN) * KEY_MAJOR_ALIGN
+    return torch.zeros((B, H, D, s_pad), dtype=FP8, device=device)[..., :S].permute(0, 3, 1, 2)
+
+
+def is_key_major(v: torch.Tensor) -> bool:
+    """Whether v [..., S, Hkv, D] is laid out key-major (unit stride along keys, not along
+    head_dim); `check_key_major` says whether that layout is one the kernels take."""
+    return v.dim() == 4 and v.shape[-1] > 1 and v.stride(-1) != 1 and v.stride(1) == 1
+
+
+def check_key_major(v: torch.Tensor, name: str = "v_cache") -> None:
+    """ValueError naming `name` unless v, a key-major [B, S, Hkv, D] tensor, is one the kernels
+    read: float8_e4m3fn, head_dim stride a multiple of 16 and at least S rounded up to 16 (the
+    16-key reads past a sequence's length stay inside its row), heads and batches not
+    overlapping, a 16-byte-aligned start, and storage behind all of it."""
+    B, S, H, D = v.shape
+    sb, ss, sh, sd = v.stride()
+    s16 = -(-max(S, 1) // KEY_MAJOR_ALIGN) * KEY_MAJOR_ALIGN
+    if v.dtype != FP8:
+        raise ValueError(f"{name} must have unit stride in its last (head_dim) dim (only an fp8 "
+                         f"({FP8}) V may be key-major), got {v.dtype} with strides {v.stride()}")
+    if (sd % KEY_MAJOR_ALIGN or sd < s16 or sh < D * sd or (B > 1 and sb < H * sh)
+            or v.storage_offset() % KEY_MAJOR_ALIGN):
+        raise ValueError(
+            f"{name} is key-major (unit stride along keys) but not laid out as the kernels read "
+            f"it: need a head_dim stride that is a multiple of {KEY_MAJOR_ALIGN} and >= {s16} "
+            f"(the keys rounded up), non-overlapping heads and batches and a 16-byte-aligned "
+            f"start, got strides {v.stride()} at offset {v.storage_offset()} "
+            f"(longctx.fp8.key_major_v makes one)")
+    last = v.storage_offset() + (B - 1) * sb + (H - 1) * sh + (D - 1) * sd + s16
+    if v.untyped_storage().nbytes() < last:
+        raise ValueError(f"{name} is key-major, and the kernels read each (batch, head, column) "
+                         f"row to {s16} keys (S rounded up to {KEY_MAJOR_ALIGN}): its storage "
+                         f"holds {v.untyped_storage().nbytes()} bytes, {last} needed "
+                         f"(longctx.fp8.key_major_v makes one)")
 
 
 def check_kv_scales(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: object,

@@ -27,7 +27,7 @@ from torch import nn
 from longctx.attention import attention
 from longctx.config import ModelArgs, check_chunk
 from longctx.decode import decode
-from longctx.fp8 import FP8, check_fp8_device
+from longctx.fp8 import FP8, check_fp8_device, key_major_v
 from longctx.ops import (linear, linear_silu_mul, rms_norm, rope_, rope_store_kv, rope_tables,
                          store_fp8)
 from longctx.rope import attention_factor
@@ -50,7 +50,8 @@ class KVCache(nn.Module):
     k_cache, v_cache: [B, S_max, Hkv, D]; position p of sequence b lives at [b, p]. Preallocated
     once (the decode step reads and writes fixed buffers, so it can be captured in a CUDA graph).
     dtype float8_e4m3fn: an fp8 cache, with k_scale, v_scale [B, S_max, Hkv] float32 (longctx.fp8:
-    one scale per token and KV head, written by the kernels that store K/V); else both None.
+    one scale per token and KV head, written by the kernels that store K/V), v_cache stored
+    key-major (a strided view); else both None.
     longctx.parallel replaces this class to shard the cache by position.
     """
 
@@ -58,9 +59,12 @@ class KVCache(nn.Module):
                  dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         shape = (batch, max_seq_len, n_kv_heads, head_dim)
-        self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         fp8 = dtype == FP8
+        self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        # An fp8 V is stored key-major (longctx.fp8.key_major_v: the decode kernel's faster
+        # layout), still indexed [B, S_max, Hkv, D]; zero-filled, as its reads past a length need.
+        v = key_major_v(shape, device) if fp8 else torch.zeros(shape, dtype=dtype, device=device)
+        self.register_buffer("v_cache", v, persistent=False)
         for name in ("k_scale", "v_scale"):
             self.register_buffer(name, torch.zeros(shape[:3], device=device) if fp8 else None,
                                  persistent=False)

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from longctx.backend import use_triton_for
-from longctx.fp8 import quantize_kv
+from longctx.fp8 import is_key_major, quantize_kv
 from longctx.rope import RopeScaling, attention_factor, inv_freq
 
 
@@ -147,11 +147,12 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
              v_scale: torch.Tensor | None = None) -> None:
     """k_cache[b, slot[b]] = k[b] and v_cache[b, slot[b]] = v[b] for every sequence b.
 
-    k_cache/v_cache [B, S_max, Hkv, D] contiguous; k/v [B, Hkv, D] (unit stride in D; e.g. views
-    into a fused projection); slot [B] int64. On CUDA one kernel writes both (a decode step's
-    cache update at batch 1 is two tiny index_put kernels otherwise); a slot outside [0, S_max)
-    is not written there (no host check), and the decode that follows writes NaN for it.
-    An fp8 cache (float8_e4m3fn, with k_scale / v_scale [B, S_max, Hkv] float32) stores
+    k_cache/v_cache [B, S_max, Hkv, D] (contiguous for the kernel; any strides otherwise);
+    k/v [B, Hkv, D] (unit stride in D; e.g. views into a fused projection); slot [B] int64. On
+    CUDA one kernel writes both (a decode step's cache update at batch 1 is two tiny index_put
+    kernels otherwise); a slot outside [0, S_max) is not written there (no host check), and the
+    decode that follows writes NaN for it. An fp8 cache (float8_e4m3fn, with k_scale / v_scale
+    [B, S_max, Hkv] float32; its V may be key-major, longctx.fp8) stores
     longctx.fp8.quantize_kv of k and v and their scales (torch code: the model's decode step
     writes fp8 through rope_store_kv's kernel).
     """
@@ -164,7 +165,8 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     b = torch.arange(k.shape[0], device=k.device)
     if k_scale is not None:
         (k, k_scale[b, slot]), (v, v_scale[b, slot]) = quantize_kv(k), quantize_kv(v)
-        # As bytes: index_put is not implemented for float8 on every device.
+        # As bytes: index_put is not implemented for float8 on every device. (A dtype view of
+        # the same element size keeps the strides: a key-major V is written in place.)
         k_cache, v_cache, k, v = (t.view(torch.uint8) for t in (k_cache, v_cache, k, v))
     k_cache[b, slot] = k
     v_cache[b, slot] = v
@@ -172,9 +174,10 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 def store_fp8(dst: torch.Tensor, dst_scale: torch.Tensor, x: torch.Tensor) -> None:
     """Write x [B, S, H, D] into an fp8 cache: dst, dst_scale = longctx.fp8.quantize_kv(x), dst
-    [B, S, H, D] float8_e4m3fn and dst_scale [B, S, H] float32 being views of the cache and its
-    scales (a prefill chunk's positions). On CUDA one kernel reads x once and writes both."""
-    if use_triton_for(x) and x.stride(-1) == 1 and dst.stride(-1) == 1 and \
+    [B, S, H, D] float8_e4m3fn (any strides: e.g. a key-major V, longctx.fp8) and dst_scale
+    [B, S, H] float32 being views of the cache and its scales (a prefill chunk's positions). On
+    CUDA one kernel reads x once and writes both."""
+    if use_triton_for(x) and x.stride(-1) == 1 and \
             (dst_scale.stride(-1) == 1 or x.shape[2] == 1):
         from longctx.kernels.fused import store_fp8 as kernel
 
@@ -196,9 +199,10 @@ def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
     The same math and the same bits as those two (float32 tables cos/sin [max_seq_len, D] of
     `rope_tables`; a slot outside [0, S_max) is not written on CUDA). q/k/v may be strided
     views (the heads of a fused projection) with unit stride in D. On CUDA one kernel does it
-    all (rope_ and store_kv are a launch each); on the CPU it is rope_ and store_kv.
-    An fp8 cache takes k_scale / v_scale [B, S_max, Hkv] float32 (contiguous) and stores the
-    rotated k and v quantized (longctx.fp8.quantize_kv) with their scales, in the same kernel.
+    all (rope_ and store_kv are a launch each) for contiguous caches; on the CPU it is rope_
+    and store_kv. An fp8 cache takes k_scale / v_scale [B, S_max, Hkv] float32 (contiguous)
+    and stores the rotated k and v quantized (longctx.fp8.quantize_kv) with their scales, in
+    the same kernel; its v_cache may be key-major (longctx.fp8.key_major_v, the model's).
     """
     B, hkv, D = k.shape
     if q.dim() != 3 or q.shape[0] != B or q.shape[2] != D or v.shape != k.shape:
@@ -211,7 +215,8 @@ def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
         raise ValueError(f"pos and slot must be [{B}], got {tuple(pos.shape)} and "
                          f"{tuple(slot.shape)}")
     if use_triton_for(q) and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1 \
-            and k_cache.is_contiguous() and v_cache.is_contiguous() \
+            and k_cache.is_contiguous() \
+            and (v_cache.is_contiguous() or (k_scale is not None and is_key_major(v_cache))) \
             and (k_scale is None or (k_scale.is_contiguous() and v_scale.is_contiguous())):
         from longctx.kernels.fused import rope_store_kv as kernel
 

@@ -422,6 +422,9 @@ def test_launch_config_by_gpu(monkeypatch):
         assert fp8_rule(2048, programs=512) == (64, 2, 2 if dev == h100 else 3)
         assert fp8_rule(2048, programs=256) == (128, 4, 2)
         assert fp8_rule(1024, programs=128) == (128, 4, 3)
+        # Its V key-major: 128-key blocks, 4 warps, 3 stages at any program count.
+        for programs in (512, 256, 128):
+            assert fp8_rule(2048, programs=programs, key_major=True) == (128, 4, 3)
 
 
 def test_split_head_tile_rule_by_gpu(monkeypatch):

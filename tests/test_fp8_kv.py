@@ -119,6 +119,51 @@ def test_decode_kernel_reads_fp8(device, paged, B, S, Hq, Hkv, D, lens, splits):
     torch.testing.assert_close(lse.cpu()[~empty].double(), want_lse[:, 0][~empty], rtol=0, atol=2e-3)
 
 
+def _key_major_with_nan_past(vq: torch.Tensor, lens: list[int], device) -> torch.Tensor:
+    """vq [B, S, Hkv, D] fp8 as a key-major V on `device` (longctx.fp8.key_major_v's layout)
+    whose slots from each sequence's length rounded up to 16 hold NaN bytes (0x7f): never read,
+    or the output is NaN. Slots below that hold vq's values (finite, as the contract asks)."""
+    from longctx.fp8 import key_major_v
+
+    B, S, H, D = vq.shape
+    v = key_major_v(vq.shape, "cpu")
+    v.copy_(vq.cpu())
+    padded = v.permute(0, 2, 3, 1)  # [B, Hkv, D, S], a view into [B, Hkv, D, S_pad]
+    s_pad = padded.stride(2)
+    base = torch.as_strided(padded, (B, H, D, s_pad), padded.stride()).clone()
+    raw = base.view(torch.uint8)
+    for b, n in enumerate(lens):
+        raw[b, :, :, -(-n // 16) * 16:] = 0x7F
+    return base.to(device)[..., :S].permute(0, 3, 1, 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.interpreter
+@pytest.mark.parametrize("B,S,Hq,Hkv,D,lens,splits", [
+    (3, 97, 6, 2, 32, [97, 0, 1], 3),      # GQA group 3, lengths 0 and 1, ragged
+    (2, 40, 4, 4, 48, [40, 17], 8),        # head_dim 48 (padded tile), more splits than blocks
+    (2, 300, 16, 2, 128, [300, 129], 2),   # the model's tile (head_dim 128, group 8)
+])
+def test_decode_kernel_reads_key_major_v(device, B, S, Hq, Hkv, D, lens, splits):
+    """An fp8 V stored key-major gives the same output as the usual layout, and nothing past each
+    length rounded up to 16 is read (NaN bytes there: the GPU widens them to NaN, which p = 0
+    does not cancel; the interpreter widens 0x7f to 480, so there only the equality bites)."""
+    from longctx.fp8 import is_key_major
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float16
+    (q, kc, vc, ks, vs), _, _ = _decode_case(B, S, Hq, Hkv, D, False, dtype, device)
+    vkm = _key_major_with_nan_past(vc, lens, device)
+    assert is_key_major(vkm) and torch.equal(vkm[:, :min(lens)].cpu().float(),
+                                             vc[:, :min(lens)].cpu().float())
+    lens_t = torch.tensor(lens, dtype=torch.int32, device=device)
+    scale = D**-0.5
+    o, lse = flash_decode(q, kc, vc, lens_t, None, scale, splits, k_scale=ks, v_scale=vs)
+    o_km, lse_km = flash_decode(q, kc, vkm, lens_t, None, scale, splits, k_scale=ks, v_scale=vs)
+    assert o_km.isfinite().all()
+    torch.testing.assert_close(o_km, o, rtol=0, atol=1e-3)
+    torch.testing.assert_close(lse_km, lse, rtol=0, atol=1e-4)
+
+
 @pytest.mark.gpu
 @pytest.mark.interpreter
 @pytest.mark.parametrize("Sq,D", [(37, 32), (150, 128), (130, 256)])
@@ -282,6 +327,31 @@ def test_decode_api_fp8_on_cpu_is_the_dequantized_reference():
     o_paged = longctx.decode(q, paged[0], paged[1], k_scale=paged[2], v_scale=paged[3],
                              block_table=table, cache_seqlens=lens)
     torch.testing.assert_close(o_paged, o, rtol=0, atol=0)
+
+
+def test_decode_api_key_major_v_and_its_refusals():
+    """A key-major fp8 v_cache (longctx.fp8.key_major_v) gives the usual layout's output on the
+    CPU path; layouts the kernels cannot read are refused naming v_cache."""
+    from longctx.fp8 import key_major_v
+
+    q, kq, vq, ks, vs = _api_case(S=37)
+    lens = torch.tensor([37, 20], dtype=torch.int32)
+    vkm = key_major_v(vq.shape, "cpu")
+    vkm.copy_(vq)
+    o = longctx.decode(q, kq, vq, k_scale=ks, v_scale=vs, cache_seqlens=lens)
+    o_km = longctx.decode(q, kq, vkm, k_scale=ks, v_scale=vs, cache_seqlens=lens)
+    torch.testing.assert_close(o_km, o, rtol=0, atol=0)
+    unpadded = vq.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)  # rows of 37 keys
+    with pytest.raises(ValueError, match="v_cache is key-major .* multiple of 16 and >= 48"):
+        longctx.decode(q, kq, unpadded, k_scale=ks, v_scale=vs)
+    with pytest.raises(ValueError, match="v_cache must have unit stride in its last .*only an fp8"):
+        f = vq.float()
+        longctx.decode(q, f, f.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2))
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    pk, pks, pvs = (_pages(t, table, 16, 4) for t in (kq[:, :32], ks[:, :32], vs[:, :32]))
+    pv = key_major_v(pk.shape, "cpu")
+    with pytest.raises(ValueError, match="v_cache is key-major .* a paged cache"):
+        longctx.decode(q, pk, pv, k_scale=pks, v_scale=pvs, block_table=table)
 
 
 @pytest.mark.parametrize("change,match", [

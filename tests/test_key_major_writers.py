@@ -1,0 +1,161 @@
+"""The fp8 cache writers (ops.store_fp8: a prefill chunk; ops.rope_store_kv: a decode step) into a
+V cache stored key-major (longctx.fp8.key_major_v) write what they write into the usual layout,
+longctx.fp8.quantize_kv's values and scales bit for bit, and no other byte of its storage: not
+the other slots, not the padding past S. The Triton kernels on the `device` fixture (the
+interpreter on CPU), the torch code on the CPU.
+
+The interpreter's float32 -> e4m3 conversion is not torch's (it rounds ties away from zero and
+drops the carry into the exponent: 126.9 -> 64; triton-lang/triton#8322), so there the values are
+checked against the usual layout's only; the scales, and everything on the GPU, bit for bit.
+The rule is quantize_kv on the CPU: on CUDA torch divides by a scalar as a product with its
+reciprocal, which moves some scales by an ulp."""
+
+import pytest
+import torch
+
+from longctx import ops
+from longctx.backend import force_triton
+from longctx.fp8 import FP8, is_key_major, key_major_v, quantize_kv
+from tests.env import INTERPRET
+
+
+def _caches(B, S, H, D, device):
+    """{layout: (fp8 V cache [B, S, H, D], its scales [B, S, H])}, zero-filled: the usual
+    contiguous layout and key-major."""
+    km = key_major_v((B, S, H, D), device)
+    assert is_key_major(km)
+    return {"contiguous": (torch.zeros(B, S, H, D, dtype=FP8, device=device),
+                           torch.zeros(B, S, H, device=device)),
+            "key_major": (km, torch.zeros(B, S, H, device=device))}
+
+
+def _storage_bytes(t: torch.Tensor) -> torch.Tensor:
+    """All of t's storage as uint8, padding included."""
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8)
+
+
+def _assert_written_only(cache, scale, where, want, want_s):
+    """cache[where] holds the e4m3 bits `want` and scale[where] `want_s`; zeroing those, every
+    byte of the cache's storage and every scale is zero again (nothing else written)."""
+    assert torch.equal(_bits(cache[where]).cpu(), _bits(want).cpu())
+    assert torch.equal(scale[where].cpu(), want_s.cpu())
+    _bits(cache)[where] = 0
+    scale[where] = 0
+    assert _storage_bytes(cache).count_nonzero() == 0 and scale.count_nonzero() == 0
+
+
+def _x(B, S, H, D, device):
+    """Random k or v rows [B, S, H, D] float16 over magnitudes 1e-3 to 1e3, one row zero (scale 0,
+    zeros)."""
+    x = torch.randn(B, S, H, D, device=device) * 10.0 ** torch.randint(-3, 4, (B, S, H, 1),
+                                                                       device=device)
+    x[0, 0, -1] = 0
+    return x.half()
+
+
+# (B, S, H, D, [(start, end), ...]): the chunks written one after the other. Odd S (37: key-major
+# rows padded to 48), chunks at the first and the last slot, H not a power of two, padded D.
+STORE_CASES = [
+    (2, 37, 3, 32, [(0, 5), (5, 36), (36, 37)]),
+    (1, 17, 1, 40, [(0, 17)]),
+    (2, 16, 2, 16, [(3, 9)]),  # S a multiple of 16: no padding
+]
+
+
+def _check_store_fp8(B, S, H, D, chunks, device, kernel):
+    caches = _caches(B, S, H, D, device)
+    x = _x(B, S, H, D, device)
+    with force_triton(kernel and device == "cpu"):
+        for cache, scale in caches.values():
+            for start, end in chunks:
+                ops.store_fp8(cache[:, start:end], scale[:, start:end], x[:, start:end])
+    written = [s for a, b in chunks for s in range(a, b)]
+    want, want_s = quantize_kv(x[:, written].cpu())  # the rule (on the CPU: below)
+    (c, cs), (km, kms) = caches.values()
+    assert torch.equal(km.float(), c.float()) and torch.equal(kms, cs)
+    if kernel and INTERPRET:  # its e4m3 rounding (above)
+        want = c[:, written].clone()
+    for cache, scale in (c, cs), (km, kms):
+        _assert_written_only(cache, scale, (slice(None), written), want, want_s)
+
+
+@pytest.mark.gpu
+@pytest.mark.interpreter
+@pytest.mark.parametrize("B,S,H,D,chunks", STORE_CASES)
+def test_store_fp8_kernel_into_key_major_v(B, S, H, D, chunks, device, monkeypatch):
+    """ops.store_fp8's kernel (the model's prefill and synthetic fill) into a key-major V."""
+    monkeypatch.setattr(ops, "quantize_kv", None)  # the torch path would fail: the kernel runs
+    _check_store_fp8(B, S, H, D, chunks, device, kernel=True)
+
+
+@pytest.mark.parametrize("B,S,H,D,chunks", STORE_CASES)
+def test_store_fp8_torch_into_key_major_v(B, S, H, D, chunks):
+    """ops.store_fp8's torch code (the CPU backend) into a key-major V."""
+    _check_store_fp8(B, S, H, D, chunks, "cpu", kernel=False)
+
+
+def _check_rope_store_kv(B, Hq, Hkv, D, S, steps, device, kernel):
+    """Decode steps (slot [B] per step; a slot outside [0, S) writes nothing) into an fp8 K cache
+    and both layouts of the fp8 V cache: the same K, V and scales, quantize_kv of the rotated k
+    and of v, and nothing else written."""
+    T = S + 8
+    cos, sin = ops.rope_tables(T, D, 10000.0, torch.device(device))
+    k_caches = {name: (torch.zeros(B, S, Hkv, D, dtype=FP8, device=device),
+                       torch.zeros(B, S, Hkv, device=device))
+                for name in ("contiguous", "key_major")}  # K: the usual layout beside either V
+    v_caches = _caches(B, S, Hkv, D, device)
+    rows = {}  # (b, slot) -> (the rotated k, v) of the last step that wrote it
+    for slot in steps:
+        slot = torch.tensor(slot, device=device)
+        pos = torch.randint(0, T, (B,), device=device)
+        qkv = _x(B, 1, Hq + 2 * Hkv, D, device)[:, 0]
+        for name in v_caches:
+            q, k, v = qkv.clone().split([Hq, Hkv, Hkv], dim=1)
+            with force_triton(kernel and device == "cpu"):
+                ops.rope_store_kv(q, k, v, cos, sin, pos, k_caches[name][0], v_caches[name][0],
+                                  slot, k_caches[name][1], v_caches[name][1])
+        for b, s in enumerate(slot.tolist()):
+            if 0 <= s < S:
+                rows[b, s] = k[b], v[b]
+    where = tuple(torch.tensor(w, device=device) for w in zip(*rows))
+    (kc, kcs), (vc, vcs) = k_caches["contiguous"], v_caches["contiguous"]
+    for name in ("contiguous", "key_major"):
+        assert torch.equal(k_caches[name][0].float(), kc.float())
+        assert torch.equal(v_caches[name][0].float(), vc.float())
+        assert torch.equal(k_caches[name][1], kcs) and torch.equal(v_caches[name][1], vcs)
+    for caches, i in ((k_caches, 0), (v_caches, 1)):
+        want, want_s = quantize_kv(torch.stack([r[i] for r in rows.values()]).cpu())
+        if kernel and INTERPRET:  # its e4m3 rounding (above)
+            want = caches["contiguous"][0][where].clone()
+        for cache, scale in caches.values():
+            _assert_written_only(cache, scale, where, want, want_s)
+
+
+# (B, Hq, Hkv, D, S, steps): each step's slots [B]. Slots 0 and S - 1, one written twice, and S
+# (past the end: inside a key-major row's padding when S is not a multiple of 16) and -1.
+ROPE_STORE_CASES = [
+    (2, 6, 3, 32, 37, [[0, 36], [36, 37], [20, -1]]),
+    (3, 4, 1, 40, 19, [[18, 0, 19], [5, 0, 9]]),  # half-heads of 20 columns, padded
+    (1, 16, 4, 64, 32, [[31], [0]]),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.interpreter
+@pytest.mark.parametrize("B,Hq,Hkv,D,S,steps", ROPE_STORE_CASES)
+def test_rope_store_kv_kernel_into_key_major_v(B, Hq, Hkv, D, S, steps, device, monkeypatch):
+    """ops.rope_store_kv's kernel (the model's decode step: one launch) into a key-major V."""
+    monkeypatch.setattr(ops, "store_kv", None)  # the torch path would fail: the kernel runs
+    _check_rope_store_kv(B, Hq, Hkv, D, S, steps, device, kernel=True)
+
+
+@pytest.mark.parametrize("B,Hq,Hkv,D,S,steps", ROPE_STORE_CASES)
+def test_rope_store_kv_torch_into_key_major_v(B, Hq, Hkv, D, S, steps):
+    """ops.rope_store_kv's torch code (rope_, then store_kv: the CPU backend) into a key-major
+    V."""
+    steps = [[s if 0 <= s < S else 0 for s in step] for step in steps]  # no range check there
+    _check_rope_store_kv(B, Hq, Hkv, D, S, steps, "cpu", kernel=False)
