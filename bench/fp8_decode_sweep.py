@@ -55,6 +55,13 @@ def run(mod, q, k, v, lens, splits, cfg, scales):
     return out[0] if isinstance(out, tuple) else out
 
 
+def bf16_launch(mod, B: int, hkv: int, N: int, sms: int, device: torch.device):
+    """(splits, config) of a decode module's launch on a bf16 cache (head_dim 128, 16-row
+    programs)."""
+    sp = mod.choose_num_splits(B, hkv, N, sms)
+    return sp, mod._launch_config(128, torch.bfloat16, 16, triton.cdiv(N, sp), device)
+
+
 def fp8_launch(mod, B: int, hkv: int, N: int, sms: int, device: torch.device,
                key_major: bool = False):
     """(splits, config) of a decode module's own launch on an fp8 cache (head_dim 128, a bf16 q
@@ -66,8 +73,7 @@ def fp8_launch(mod, B: int, hkv: int, N: int, sms: int, device: torch.device,
         return sp, mod._launch_config(128, torch.float16, 16, triton.cdiv(N, sp), device, True,
                                       sp * B * hkv, True)
     if not hasattr(mod, "FP8_SPLITS"):
-        sp = mod.choose_num_splits(B, hkv, N, sms)
-        return sp, mod._launch_config(128, torch.bfloat16, 16, triton.cdiv(N, sp), device)
+        return bf16_launch(mod, B, hkv, N, sms, device)
     sp = mod.choose_num_splits(B, hkv, N, sms, **mod.FP8_SPLITS)
     try:
         cfg = mod._launch_config(128, torch.float16, 16, triton.cdiv(N, sp), device, True,
@@ -112,8 +118,7 @@ def main() -> None:
         k = torch.randn(B, N, hkv, 128, device="cuda", dtype=torch.bfloat16)
         v = torch.randn_like(k)
         lens = torch.full((B,), N, device="cuda", dtype=torch.int32)
-        sp1 = D.choose_num_splits(B, hkv, N, sms)
-        bf_cfg = D._launch_config(128, torch.bfloat16, 16, triton.cdiv(N, sp1), q.device)
+        sp1, bf_cfg = bf16_launch(D, B, hkv, N, sms, q.device)
         t_bf16 = graph_ms(lambda: run(D, q, k, v, lens, sp1, bf_cfg, {}), **TIMING) * 1e3
         (k8, ks), (v8, vs) = quantize_kv(k), quantize_kv(v)
         del k, v

@@ -14,9 +14,8 @@ from __future__ import annotations
 import argparse
 
 import torch
-import triton
 
-from fp8_decode_sweep import fp8_launch  # (bench/, the script's own directory)
+from fp8_decode_sweep import bf16_launch, fp8_launch  # (bench/, the script's own directory)
 from longctx.fp8 import quantize_kv
 from longctx.kernels import decode as D
 from longctx.kernels.utils import device_sms
@@ -36,8 +35,7 @@ def main() -> None:
     k = torch.randn(B, N, hkv, 128, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
     lens = torch.full((B,), N, device="cuda", dtype=torch.int32)
-    sp = D.choose_num_splits(B, hkv, N, sms)
-    cfg = D._launch_config(128, torch.bfloat16, 16, triton.cdiv(N, sp), q.device)
+    sp, cfg = bf16_launch(D, B, hkv, N, sms, q.device)
     for _ in range(2):
         D.flash_decode_partials(q, k, v, lens, None, 128 ** -0.5, sp, config=cfg)
     (k8, ks), (v8, vs) = quantize_kv(k), quantize_kv(v)

@@ -539,8 +539,7 @@ def _split_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     svs = v_scale.stride() if fp8 else (0, 0, 0)
     sk, sv = k_cache.stride(), v_cache.stride()
     # (a multiple of 16 is specialised by Triton anyway: a power-of-two D compiles unchanged)
-    kv_strides_8 = (D % 16 != 0 and not key_major
-                    and all(x % 8 == 0 for x in (*sk[:3], *sv[:3])))
+    kv_strides_8 = D % 16 != 0 and all(x % 8 == 0 for x in (*sk[:3], *sv[:3]))
     # Fused merge: the last program of a group merges MERGE_H query heads (its own, padded to a
     # power of two) over MERGE_P splits per load, 64 float32 registers per thread of tile.
     # Unfused launches keep the defaults: one binary whatever the split count.

@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from longctx.fp8 import is_key_major
 from longctx.kernels.utils import cdiv, next_power_of_2, pdl_launch, pdl_wait
 
 
@@ -228,7 +229,7 @@ def store_fp8(dst: torch.Tensor, dst_scale: torch.Tensor, x: torch.Tensor) -> No
     B, S, H, D = x.shape
     if B * S == 0:
         return
-    if dst.stride(1) == 1 and dst.stride(3) != 1 and D > 1:  # key-major
+    if is_key_major(dst):
         block_s = 64
         _store_fp8_keys_kernel[(B * H, cdiv(S, block_s))](
             x, dst, dst_scale, x.stride(0), x.stride(1), x.stride(2), dst.stride(0),

@@ -89,11 +89,16 @@ def kv_bytes_per_element(cache_dtype: torch.dtype, head_dim: int) -> float:
 KEY_MAJOR_ALIGN = 16
 
 
+def _keys_padded(S: int) -> int:
+    """The keys a key-major V's rows hold for S positions: S rounded up to KEY_MAJOR_ALIGN."""
+    return -(-max(S, 1) // KEY_MAJOR_ALIGN) * KEY_MAJOR_ALIGN
+
+
 def key_major_v(shape: tuple[int, int, int, int], device: torch.device | str) -> torch.Tensor:
     """A zero-filled fp8 V cache of logical shape [B, S, Hkv, D], stored key-major (above)."""
     B, S, H, D = shape
-    s_pad = -(-max(S, 1) // KEY_MAJOR_ALIGN) * KEY_MAJOR_ALIGN
-    return torch.zeros((B, H, D, s_pad), dtype=FP8, device=device)[..., :S].permute(0, 3, 1, 2)
+    return torch.zeros((B, H, D, _keys_padded(S)), dtype=FP8,
+                       device=device)[..., :S].permute(0, 3, 1, 2)
 
 
 def is_key_major(v: torch.Tensor) -> bool:
@@ -108,8 +113,8 @@ def check_key_major(v: torch.Tensor, name: str = "v_cache") -> None:
     16-key reads past a sequence's length stay inside its row), heads and batches not
     overlapping, a 16-byte-aligned start, and storage behind all of it."""
     B, S, H, D = v.shape
-    sb, ss, sh, sd = v.stride()
-    s16 = -(-max(S, 1) // KEY_MAJOR_ALIGN) * KEY_MAJOR_ALIGN
+    sb, _, sh, sd = v.stride()
+    s16 = _keys_padded(S)
     if v.dtype != FP8:
         raise ValueError(f"{name} must have unit stride in its last (head_dim) dim (only an fp8 "
                          f"({FP8}) V may be key-major), got {v.dtype} with strides {v.stride()}")
