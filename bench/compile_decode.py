@@ -3,6 +3,7 @@
     python bench/compile_decode.py                      # bf16 vs fp8 cache, 16/2 heads, D=128
     python bench/compile_decode.py --fp8 --config 128,4,2 --sass loop.sass
     python bench/compile_decode.py --fp8 --widen triton # fp8 tiles widened by Triton's .to()
+    python bench/compile_decode.py --fp8 --key-major    # V stored key-major (longctx.fp8)
 
 No GPU needed. Builds the launch `kernels/decode.py` makes for a contiguous cache (1 x 262144 keys,
 16 / 2 heads unless told; the split count and config as given or by the launch rule) on CPU
@@ -11,7 +12,8 @@ compiles. Prints per kernel: shared memory, the instructions of the innermost lo
 tensor-core MMAs (one key block per iteration: the kernel's cost per BLOCK_N keys per thread) and
 its most frequent opcodes. On a CPU the launch would take Triton's conversion for an fp8 cache
 (no CUDA capability to check); `--widen` says which one to compile, `cvt` (default: what an sm_89+
-GPU runs) or `triton`.
+GPU runs) or `triton`; `--key-major` stores the fp8 V key-major (`longctx.fp8.key_major_v`, the
+model's layout), with that layout's split count and launch rule.
 
 BENCHMARKS.md quotes these counts: the fp8 section those of b107688's kernel (the bf16 cache's 703
 instructions per 128 keys, the fp8 cache's 777 / 810 at 2 / 3 stages, 1267 with `--widen triton
@@ -28,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from longctx.fp8 import key_major_v
 from longctx.kernels import decode as D
 from longctx.kernels.offline import compile_kernel, disassemble, innermost_loops
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -35,16 +38,21 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 def compile_decode(fp8: bool, q_dtype: torch.dtype, config: tuple[int, int, int] | None,
                    widen_cvt: bool = True, B: int = 1, S: int = 262144, Hq: int = 16,
-                   Hkv: int = 2, Dh: int = 128, splits: int | None = None):
-    """The compiled split kernel (Triton's CompiledKernel) of that launch, for sm_90."""
+                   Hkv: int = 2, Dh: int = 128, splits: int | None = None,
+                   key_major: bool = False):
+    """The compiled split kernel (Triton's CompiledKernel) of that launch, for sm_90; key_major:
+    the fp8 V stored key-major."""
+    if key_major and not fp8:
+        raise ValueError("key_major needs fp8: only an fp8 V is stored key-major")
     q = torch.empty(B, Hq, Dh, dtype=q_dtype)
     k = torch.empty(B, S, Hkv, Dh, dtype=torch.float8_e4m3fn if fp8 else q_dtype)
-    v = torch.empty_like(k)
+    v = key_major_v((B, S, Hkv, Dh), "cpu") if key_major else torch.empty_like(k)
     ks = vs = torch.empty(B, S, Hkv) if fp8 else None
     lens = torch.empty(B, dtype=torch.int32)
     if splits is None:
         # (a CPU tensor's device: the rule of a GPU not named H100)
-        splits = D.choose_num_splits(B, Hkv, S, 132, **D.splits_rule(Dh, fp8, q.device))
+        splits = D.choose_num_splits(B, Hkv, S, 132,
+                                     **D.splits_rule(Dh, fp8, q.device, key_major))
     launch = D._split_launch(q, k, v, lens, None, Dh ** -0.5, splits, torch.float32, config,
                              k_scale=ks, v_scale=vs)
     kwargs = dict(launch.kwargs, USE_PDL=True)  # as on an sm_90 GPU
@@ -74,14 +82,19 @@ def main() -> None:
                     help="q's dtype (the cache's if not fp8)")
     ap.add_argument("--config", help="BLOCK_N,num_warps,num_stages (default: the launch rule)")
     ap.add_argument("--widen", choices=("cvt", "triton"), default="cvt")
+    ap.add_argument("--key-major", action="store_true",
+                    help="store the fp8 V key-major (longctx.fp8.key_major_v)")
     ap.add_argument("--sass", help="write the fp8 kernel's hot loop here")
     args = ap.parse_args()
     config = tuple(int(x) for x in args.config.split(",")) if args.config else None
     for fp8 in ((True,) if args.fp8 else (False, True)):
-        ck = compile_decode(fp8, DTYPES[args.q], config, args.widen == "cvt")
+        ck = compile_decode(fp8, DTYPES[args.q], config, args.widen == "cvt",
+                            key_major=fp8 and args.key_major)
         body = hot_loop(ck.asm["cubin"])
         top = collections.Counter(opcode(x) for x in body).most_common(14)
-        print(f"{'fp8' if fp8 else args.q} cache, {args.q} q, {ck.metadata.num_warps} warps: "
+        name = ("fp8 cache" + (", V key-major" if args.key_major else "")) if fp8 else \
+            f"{args.q} cache"
+        print(f"{name}, {args.q} q, {ck.metadata.num_warps} warps: "
               f"shared memory {ck.metadata.shared} B, loop {len(body)} instructions")
         print("    " + ", ".join(f"{k} {n}" for k, n in top))
         if fp8 and args.sass:
