@@ -33,6 +33,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy as ac
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from longctx.kernels.offline import compile_kernel, disassemble, innermost_loops
+from longctx.kernels.utils import FP_FUSION
 
 # Triton 3.9 renamed cp.async's global-to-shared copy (kernels/prefill_hopper.py does the same
 # for TMA's).
@@ -137,10 +138,10 @@ def main() -> None:
     for kw in (4, 2):
         _report(f"qk, k_width {kw}",
                 compile_kernel(qk_probe, (9, 0), q, k, torch.empty(H, N), blocks, KW=kw,
-                               BLOCK_N=N, D=D, H=H, num_warps=4))
+                               BLOCK_N=N, D=D, H=H, num_warps=4, **FP_FUSION))
     _report("loop, k_width 4",
             compile_kernel(loop_probe, (9, 0), q, k, v, scales, scales, torch.empty(H, D),
-                           blocks, 0.1, N * blocks, KW=4, BLOCK_N=N, D=D, H=H, num_warps=4))
+                           blocks, 0.1, N * blocks, KW=4, BLOCK_N=N, D=D, H=H, num_warps=4, **FP_FUSION))
 
 
 if __name__ == "__main__":
