@@ -39,19 +39,31 @@ from longctx.kernels.utils import FP_FUSION
 # for TMA's).
 _cp_async = getattr(ac, "async_load", None) or ac.async_copy_global_to_shared
 
+# Both probes: mma_v2 with the 4 warps side by side along N, cp.async copies of 16 bytes a thread
+# along a tile's 128-byte rows, and those rows in shared memory swizzled for ldmatrix.
+_MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 4],
+                                              instr_shape=[16, 8]))
+_CP = gl.constexpr(gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0]))
+_SMEM = gl.constexpr(gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=8, order=[1, 0]))
+
+
+@gluon.jit
+def _load_q(Q, H: gl.constexpr, D: gl.constexpr, a_l: gl.constexpr):
+    """q [H, D] loaded once, straight into the A operand's layout (kept in registers)."""
+    hq = gl.arange(0, H, layout=gl.SliceLayout(1, a_l))
+    dq = gl.arange(0, D, layout=gl.SliceLayout(0, a_l))
+    return gl.load(Q + hq[:, None] * D + dq[None, :])
+
 
 @gluon.jit
 def qk_probe(Q, K, O, n_blocks, KW: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
              H: gl.constexpr):
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 4],
-                                                  instr_shape=[16, 8])
+    mma: gl.constexpr = _MMA
+    ld: gl.constexpr = _CP
+    sl: gl.constexpr = _SMEM
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=KW)
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=KW)
-    ld: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
-    sl: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=8, order=[1, 0])
-    hq = gl.arange(0, H, layout=gl.SliceLayout(1, a_l))
-    dq = gl.arange(0, D, layout=gl.SliceLayout(0, a_l))
-    q = gl.load(Q + hq[:, None] * D + dq[None, :])  # once, in the A operand's layout
+    q = _load_q(Q, H, D, a_l)
     k_s = gl.allocate_shared_memory(gl.float8e4nv, [2, BLOCK_N, D], sl)
     acc = gl.zeros([H, BLOCK_N], gl.float32, mma)
     rows0 = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld))
@@ -71,17 +83,14 @@ def qk_probe(Q, K, O, n_blocks, KW: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.c
 @gluon.jit
 def loop_probe(Q, K, V, KS, VS, O, n_blocks, qk_scale, S_PAD, KW: gl.constexpr,
                BLOCK_N: gl.constexpr, D: gl.constexpr, H: gl.constexpr):
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 4],
-                                                  instr_shape=[16, 8])
+    mma: gl.constexpr = _MMA
+    ld: gl.constexpr = _CP
+    sl: gl.constexpr = _SMEM
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=KW)
     b_l: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=KW)
-    ld: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
-    sl: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=8, order=[1, 0])
     row: gl.constexpr = gl.SliceLayout(1, mma)
     col: gl.constexpr = gl.SliceLayout(0, mma)
-    hq = gl.arange(0, H, layout=gl.SliceLayout(1, a_l))
-    dq = gl.arange(0, D, layout=gl.SliceLayout(0, a_l))
-    q = gl.load(Q + hq[:, None] * D + dq[None, :])
+    q = _load_q(Q, H, D, a_l)
     k_s = gl.allocate_shared_memory(gl.float8e4nv, [2, BLOCK_N, D], sl)
     v_s = gl.allocate_shared_memory(gl.float8e4nv, [2, D, BLOCK_N], sl)  # V key-major
     m_i = gl.full([H], float("-inf"), gl.float32, row)
