@@ -87,6 +87,11 @@ def kv_bytes_per_element(cache_dtype: torch.dtype, head_dim: int) -> float:
 # read (times a zero probability), so they must hold finite values; a cache from `key_major_v`
 # (zero-filled) and written by longctx's kernels always does.
 KEY_MAJOR_ALIGN = 16
+# `key_major_v` pads each row further, to a whole number of 128-byte lines: the decode kernel
+# reads 128 keys of a row at a time, and rows starting mid-line (a capacity of 2^20 + 64 keys,
+# the model's context plus its generated tokens) made it 7% slower on an H200 (282.9 against
+# 262.1 us a layer at tp=2's 32/4 heads, 1,048,640 keys; BENCHMARKS.md, fp8 section).
+KEY_MAJOR_ROW_ALIGN = 128
 
 
 def _keys_padded(S: int) -> int:
@@ -95,10 +100,11 @@ def _keys_padded(S: int) -> int:
 
 
 def key_major_v(shape: tuple[int, int, int, int], device: torch.device | str) -> torch.Tensor:
-    """A zero-filled fp8 V cache of logical shape [B, S, Hkv, D], stored key-major (above)."""
+    """A zero-filled fp8 V cache of logical shape [B, S, Hkv, D], stored key-major (above), its
+    rows S rounded up to KEY_MAJOR_ROW_ALIGN keys long."""
     B, S, H, D = shape
-    return torch.zeros((B, H, D, _keys_padded(S)), dtype=FP8,
-                       device=device)[..., :S].permute(0, 3, 1, 2)
+    keys = -(-max(S, 1) // KEY_MAJOR_ROW_ALIGN) * KEY_MAJOR_ROW_ALIGN
+    return torch.zeros((B, H, D, keys), dtype=FP8, device=device)[..., :S].permute(0, 3, 1, 2)
 
 
 def is_key_major(v: torch.Tensor) -> bool:

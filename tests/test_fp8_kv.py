@@ -269,6 +269,46 @@ def test_store_kernels_match_the_rule_bit_for_bit():
 
 
 @pytest.mark.gpu
+def test_div_rows_rounds_as_torch_divides():
+    """The fp8 writers' division (kernels.fused._div_rows: a reciprocal per row and two FMA
+    corrections per element) is torch's correctly rounded float32 quotient for every quotient
+    e4m3 can tell from zero (|a / b| >= 2^-11), at divisors from subnormal to huge and
+    dividends from the row's max down to tiny and -0, and the same e4m3 value for all of them."""
+    import triton
+    import triton.language as tl
+
+    from longctx.kernels.fused import _div_rows
+
+    @triton.jit
+    def probe(A, B_, Q, C: tl.constexpr):
+        r = tl.program_id(0)
+        offs = r * C + tl.arange(0, C)[None, :]
+        tl.store(Q + offs, _div_rows(tl.load(A + offs), tl.load(B_ + r + tl.arange(0, 1))))
+
+    g = torch.Generator(device="cuda").manual_seed(11)
+    R, C = 4096, 512
+    # Divisors 2^e (1 + u), e in [-149, 117]: subnormal, tiny, ordinary and huge rows.
+    e = torch.randint(-149, 118, (R,), generator=g, device="cuda").double()
+    b = (torch.exp2(e) * (1 + torch.rand(R, generator=g, device="cuda",
+                                          dtype=torch.float64))).float()
+    b = torch.where(b > 0, b, torch.full_like(b, 2.0 ** -149))
+    # Dividends up to the row's 448 b, many scaled down by 2^-k (k up to 40).
+    u = torch.rand(R, C, generator=g, device="cuda", dtype=torch.float64) * 2 - 1
+    k = torch.randint(0, 41, (R, C), generator=g, device="cuda").double()
+    k[:, : C // 2] = 0
+    a = (448 * b.double()[:, None] * u * torch.exp2(-k)).float()
+    a[:, 0] = 448 * b  # the row's max
+    a[:, 1] = -0.0  # a zero keeps its sign
+    q = torch.empty_like(a)
+    probe[(R,)](a, b, q, C=C)
+    want = a / b[:, None]
+    big = want.abs() >= 2.0 ** -11
+    assert big.sum() > R * C // 2
+    torch.testing.assert_close(q[big], want[big], rtol=0, atol=0)
+    assert torch.equal(q.to(FP8).view(torch.uint8), want.to(FP8).view(torch.uint8))
+
+
+@pytest.mark.gpu
 def test_fp8_api_fast_launch_and_cuda_graph():
     """On CUDA longctx.decode (its cached plan, launched directly) and longctx.attention take the
     fp8 cache; a captured decode replays correctly as cache_seqlens grow (no host sync)."""

@@ -29,6 +29,19 @@ def _caches(B, S, H, D, device):
             "key_major": (km, torch.zeros(B, S, H, device=device))}
 
 
+def test_key_major_v_rows_are_whole_lines():
+    """key_major_v pads each (batch, head, column) row to whole 128-byte lines (the decode
+    kernel reads 128 keys of a row at a time; rows starting mid-line read slower), keeping the
+    logical shape and what check_key_major asks."""
+    from longctx.fp8 import check_key_major
+
+    for S in (1, 37, 128, 1000, 1088):
+        v = key_major_v((2, S, 3, 16), "cpu")
+        assert v.shape == (2, S, 3, 16) and is_key_major(v)
+        assert v.stride(-1) % 128 == 0 and S <= v.stride(-1) < S + 128
+        check_key_major(v)
+
+
 def _storage_bytes(t: torch.Tensor) -> torch.Tensor:
     """All of t's storage as uint8, padding included."""
     return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
@@ -58,7 +71,7 @@ def _x(B, S, H, D, device):
 
 
 # (B, S, H, D, [(start, end), ...]): the chunks written one after the other. Odd S (37: key-major
-# rows padded to 48), chunks at the first and the last slot, H not a power of two, padded D.
+# rows padded to 128), chunks at the first and the last slot, H not a power of two, padded D.
 STORE_CASES = [
     (2, 37, 3, 32, [(0, 5), (5, 36), (36, 37)]),
     (1, 17, 1, 40, [(0, 17)]),
