@@ -132,6 +132,7 @@ def summarize(gen: Generation, info: dict, model_bytes: dict, layout_bytes: dict
         "decode_tokens_per_s": B * n / float(steps.sum()),
         "ms_per_token_p50": 1e3 * float(steps.quantile(0.5)),
         "ms_per_token_p90": 1e3 * float(steps.quantile(0.9)),
+        "ms_per_step": [round(1e3 * t, 4) for t in gen.step_s],  # in order: where a p90 comes from
         "read_bandwidth_Bps_per_device": bw_per_device,
         "read_bandwidth_measured_as": bw_what,
         # Headline: the model's bytes per step / (mean step time x devices x read bandwidth).

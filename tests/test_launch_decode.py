@@ -42,6 +42,8 @@ def test_default_run_is_the_tiny_model(tmp_path):
         "tiny", "bfloat16" if cuda else "float32", 1024, 31, cuda)
     assert len(s["tokens"]) == 32 and s["decode_tokens_per_s"] > 0
     assert s["ms_per_token_p90"] >= s["ms_per_token_p50"] > 0
+    assert len(s["ms_per_step"]) == 31 and min(s["ms_per_step"]) > 0
+    assert s["decode_tokens_per_s"] == pytest.approx(31e3 / sum(s["ms_per_step"]), rel=1e-3)
     model, layout = s["model_bytes_per_step"], s["layout_bytes_per_step"]
     assert model["total"] == model["weights"] + model["kv_cache"] and model["kv_cache"] > 0
     assert layout == pytest.approx(model)  # one device: the layout reads the model's bytes
