@@ -79,7 +79,7 @@ def kv_bytes_per_element(cache_dtype: torch.dtype, head_dim: int) -> float:
 
 
 # Key-major V: an fp8 V cache may be stored with its keys contiguous, physically [B, Hkv, D, S_pad]
-# (S_pad: S rounded up to KEY_MAJOR_ALIGN), seen as the usual [B, S, Hkv, D] view with strides
+# (S_pad: at least S rounded up to KEY_MAJOR_ALIGN), seen as the usual [B, S, Hkv, D] view with strides
 # (Hkv * D * S_pad, 1, D * S_pad, S_pad). P @ V reduces over keys, so that layout lets the decode
 # kernel take V's e4m3 tile straight into the dot's operand as it does K's, with no float16 copy
 # through shared memory (1.15-1.33x on an H200: BENCHMARKS.md, fp8 section). The kernels read a
@@ -94,17 +94,18 @@ KEY_MAJOR_ALIGN = 16
 KEY_MAJOR_ROW_ALIGN = 128
 
 
-def _keys_padded(S: int) -> int:
-    """The keys a key-major V's rows hold for S positions: S rounded up to KEY_MAJOR_ALIGN."""
-    return -(-max(S, 1) // KEY_MAJOR_ALIGN) * KEY_MAJOR_ALIGN
+def _keys_padded(S: int, align: int = KEY_MAJOR_ALIGN) -> int:
+    """The keys a key-major V's rows hold for S positions: S rounded up to `align` (the least
+    the kernels take, or KEY_MAJOR_ROW_ALIGN as `key_major_v` makes them)."""
+    return -(-max(S, 1) // align) * align
 
 
 def key_major_v(shape: tuple[int, int, int, int], device: torch.device | str) -> torch.Tensor:
     """A zero-filled fp8 V cache of logical shape [B, S, Hkv, D], stored key-major (above), its
     rows S rounded up to KEY_MAJOR_ROW_ALIGN keys long."""
     B, S, H, D = shape
-    keys = -(-max(S, 1) // KEY_MAJOR_ROW_ALIGN) * KEY_MAJOR_ROW_ALIGN
-    return torch.zeros((B, H, D, keys), dtype=FP8, device=device)[..., :S].permute(0, 3, 1, 2)
+    return torch.zeros((B, H, D, _keys_padded(S, KEY_MAJOR_ROW_ALIGN)), dtype=FP8,
+                       device=device)[..., :S].permute(0, 3, 1, 2)
 
 
 def is_key_major(v: torch.Tensor) -> bool:
