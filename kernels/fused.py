@@ -181,7 +181,8 @@ def _div_rows(a, b):
     # Markstein's theorem makes the second q the rounded quotient when y is within half an ulp
     # of 1 / b, q is within an ulp, and nothing underflows. Rows with b < 2^-40 are scaled by
     # 2^100 first (exact) so that the remainders of quotients >= 2^-11 stay representable;
-    # smaller quotients round to zero in e4m3 either way.
+    # smaller quotients round to zero in e4m3 either way. A row holding inf or NaN comes out
+    # NaN (its scale, inf or NaN, dequantizes it to NaN whatever the bits).
     s = tl.where(b < 9.094947017729282e-13, 1.2676506002282294e+30, 1.0)
     b = b * s
     a = a * s[:, None]
