@@ -89,8 +89,8 @@ def kv_bytes_per_element(cache_dtype: torch.dtype, head_dim: int) -> float:
 KEY_MAJOR_ALIGN = 16
 # `key_major_v` pads each row further, to a whole number of 128-byte lines: the decode kernel
 # reads 128 keys of a row at a time, and rows starting mid-line (a capacity of 2^20 + 64 keys,
-# the model's context plus its generated tokens) made it 7% slower on an H200 (282.9 against
-# 262.1 us a layer at tp=2's 32/4 heads, 1,048,640 keys; BENCHMARKS.md, fp8 section).
+# the model's context plus its generated tokens) made it 7% slower on an H200 (281.3 against
+# 261.9 us a layer at tp=2's 32/4 heads, 1,048,640 keys; BENCHMARKS.md, fp8 section).
 KEY_MAJOR_ROW_ALIGN = 128
 
 
