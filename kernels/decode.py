@@ -83,6 +83,7 @@ def _attend_block(
     q, m_i, l_i, acc, u_v, n_start, end, k_head, v_head, bt_row, num_pages,
     b64, stride_k0, stride_k1, stride_v0, stride_v1, stride_vd, qk_scale,
     ks_head, vs_head, stride_ks0, stride_ks1, stride_vs0, stride_vs1, q_hi, acc_hi,
+    k_lo, k_hi, v_lo, v_hi,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -98,8 +99,10 @@ def _attend_block(
 
     q [BLOCK_H, BLOCK_D] (cache dtype); m_i, l_i [BLOCK_H] fp32 (max / sum in exp2 domain); acc
     [BLOCK_H, BLOCK_D] fp32 un-normalised output. n_start is a multiple of BLOCK_N. A split head
-    (D_HI > 0, `head_tiles`): q_hi [BLOCK_H, D_HI] and acc_hi are columns BLOCK_D .. HEAD_DIM - 1,
-    a second dot into the scores and one more into acc_hi (else both are passed through).
+    (D_HI > 0, `head_tiles`): q_hi [BLOCK_H, D_HI] and acc_hi are the second tile's columns, a
+    second dot into the scores and one more into acc_hi (else both are passed through). The
+    tiles' first columns: K's (and q's) k_lo / k_hi, V's (and acc's) v_lo / v_hi
+    (`_split_head_tiles`); 0 / BLOCK_D unless a split head's rows start mid-line.
 
     FP8: K and V are e4m3 with a float32 scale per key (ks_head / vs_head). The tiles are widened
     to q's dtype (K by Triton's conversion, V by `_widen_e4m3`): float32, or float16 for a
@@ -166,8 +169,8 @@ def _attend_block(
         v = tl.load(v_head + b64 * stride_v0 + v_keys[:, None] * stride_v1
                     + offs_d[None, :].to(tl.int64) * stride_vd, mask=v_mask, other=0.0)
     elif HEAD_DIM == BLOCK_D + D_HI:
-        k = tl.load(k_head + k_rows[:, None] + offs_d[None, :])
-        v = tl.load(v_head + v_rows[:, None] + offs_d[None, :])
+        k = tl.load(k_head + k_rows[:, None] + (k_lo + offs_d)[None, :])
+        v = tl.load(v_head + v_rows[:, None] + (v_lo + offs_d)[None, :])
     else:  # padded head_dim: its columns read as 0 (no bytes moved), so they add 0 to q.k
         d_mask = (offs_d < HEAD_DIM)[None, :]
         k = tl.load(k_head + k_rows[:, None] + offs_d[None, :], mask=d_mask, other=0.0)
@@ -184,10 +187,10 @@ def _attend_block(
         k_sc = tl.load(ks_head + ks_rows)
         s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * (k_sc * qk_scale)[None, :]
     elif D_HI > 0:
-        offs_dh = BLOCK_D + tl.arange(0, D_HI)
-        k_hi = tl.load(k_head + k_rows[:, None] + offs_dh[None, :])
+        offs_dh = tl.arange(0, D_HI)
+        k_hi_tile = tl.load(k_head + k_rows[:, None] + (k_hi + offs_dh)[None, :])
         s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
-        s = tl.dot(q_hi, tl.trans(k_hi), s, input_precision=INPUT_PRECISION) * qk_scale
+        s = tl.dot(q_hi, tl.trans(k_hi_tile), s, input_precision=INPUT_PRECISION) * qk_scale
     else:
         s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale  # [BLOCK_H, BLOCK_N]
     s = tl.where(n_mask[None, :], s, float("-inf"))
@@ -215,10 +218,31 @@ def _attend_block(
         u_v = u_new
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
     if D_HI > 0:
-        v_hi = tl.load(v_head + v_rows[:, None] + offs_dh[None, :])
-        acc_hi = acc_hi * alpha[:, None] + tl.dot(p.to(v.dtype), v_hi,
+        v_hi_tile = tl.load(v_head + v_rows[:, None] + (v_hi + offs_dh)[None, :])
+        acc_hi = acc_hi * alpha[:, None] + tl.dot(p.to(v.dtype), v_hi_tile,
                                                   input_precision=INPUT_PRECISION)
     return m_new, l_i, acc, u_v, acc_hi
+
+
+@triton.jit
+def _split_head_tiles(head, BLOCK_D: tl.constexpr, D_HI: tl.constexpr,
+                      ALIGN_TILES: tl.constexpr):
+    """The first columns (lo, hi) of a split head's two tiles (BLOCK_D and D_HI wide) in the
+    cache whose rows of this head start at `head`: 0 / BLOCK_D, or with ALIGN_TILES (every row
+    of the head starts at the same offset in a 128-byte line) D_HI / 0 where that order puts the
+    wide tile on whole lines. At 96 = 64 + 32 columns of 16 bits and two KV heads a token, head
+    1's rows start 64 bytes into a line: its 64-column tile took two lines a row, and 16/2 heads
+    at 1 x 262144 ran 8% slower than with every head line-aligned (H200, BENCHMARKS.md)."""
+    if ALIGN_TILES:
+        into_line = head.to(tl.int64) % 128  # bytes
+        tail = D_HI * (head.dtype.element_ty.primitive_bitwidth // 8)
+        swap = (into_line != 0) & ((into_line + tail) % 128 == 0)
+        lo = tl.multiple_of(tl.where(swap, D_HI, 0), D_HI)
+        hi = tl.multiple_of(tl.where(swap, 0, BLOCK_D), D_HI)
+    else:
+        lo = 0
+        hi = BLOCK_D
+    return lo, hi
 
 
 @triton.jit
@@ -261,6 +285,7 @@ def _decode_split_kernel(
     MERGE_H: tl.constexpr = 1,  # FUSED_MERGE: query-head rows merged at once (power of two)
     MERGE_P: tl.constexpr = 1,  # FUSED_MERGE: splits loaded at once
     KV_STRIDES_8: tl.constexpr = False,  # K/V strides are multiples of 8 (only told if D % 16)
+    ALIGN_TILES: tl.constexpr = False,  # D_HI: order the tiles by line offset (`_split_head_tiles`)
     FP8: tl.constexpr = False,  # e4m3 K/V with float32 scales per (key, KV head)
     FP8_WIDEN: tl.constexpr = False,  # FP8: V's tiles widened by cvt (`_widen_e4m3`)
     D_HI: tl.constexpr = 0,  # a split head's second tile (`head_tiles`): BLOCK_D + D_HI = HEAD_DIM
@@ -298,8 +323,19 @@ def _decode_split_kernel(
     start = split * chunk
     end = tl.minimum(start + chunk, seqlen)
 
+    if KV_STRIDES_8:
+        # Triton knows an int argument's divisibility only by 16: a head_dim such as 40 or 72
+        # leaves the K/V rows' 16-byte alignment unknown, and its loads scalar, unless shown.
+        stride_k0, stride_k1, stride_kh = _times_8(stride_k0, stride_k1, stride_kh)
+        stride_v0, stride_v1, stride_vh = _times_8(stride_v0, stride_v1, stride_vh)
+    k_head = K + hkv.to(tl.int64) * stride_kh
+    v_head = V + hkv.to(tl.int64) * stride_vh
+    k_lo, k_hi = _split_head_tiles(k_head, BLOCK_D, D_HI, ALIGN_TILES)  # q's columns follow K's
+    v_lo, v_hi = _split_head_tiles(v_head, BLOCK_D, D_HI, ALIGN_TILES)  # acc's follow V's
+
     # ---- q tile [BLOCK_H, D]; padded rows are zero and never stored ----
-    q_ptrs = Q + b64 * stride_qb + q_head[:, None].to(tl.int64) * stride_qh + offs_d[None, :]
+    q_ptrs = (Q + b64 * stride_qb + q_head[:, None].to(tl.int64) * stride_qh
+              + (k_lo + offs_d)[None, :])
     if FP8 and Q.dtype.element_ty == tl.float32:
         q = tl.load(q_ptrs, mask=hd_mask, other=0.0)  # fp32 dots on the widened tiles
     elif FP8:
@@ -320,19 +356,12 @@ def _decode_split_kernel(
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     q_hi, acc_hi = q, acc  # no second tile: passed through the blocks untouched
     if D_HI > 0:
-        offs_dh = BLOCK_D + tl.arange(0, D_HI)
         q_hi = tl.load(Q + b64 * stride_qb + q_head[:, None].to(tl.int64) * stride_qh
-                       + offs_dh[None, :], mask=h_mask[:, None], other=0.0).to(K.dtype.element_ty)
+                       + (k_hi + tl.arange(0, D_HI))[None, :], mask=h_mask[:, None],
+                       other=0.0).to(K.dtype.element_ty)
         acc_hi = tl.zeros([BLOCK_H, D_HI], dtype=tl.float32)
     u_v = tl.zeros([BLOCK_H], tl.float32)  # FP8: acc's unit, the largest V scale so far
 
-    if KV_STRIDES_8:
-        # Triton knows an int argument's divisibility only by 16: a head_dim such as 40 or 72
-        # leaves the K/V rows' 16-byte alignment unknown, and its loads scalar, unless shown.
-        stride_k0, stride_k1, stride_kh = _times_8(stride_k0, stride_k1, stride_kh)
-        stride_v0, stride_v1, stride_vh = _times_8(stride_v0, stride_v1, stride_vh)
-    k_head = K + hkv.to(tl.int64) * stride_kh
-    v_head = V + hkv.to(tl.int64) * stride_vh
     bt_row = BLOCK_TABLE + b64 * stride_btb
     ks_head = K_SCALE + hkv.to(tl.int64) * stride_ks2
     vs_head = V_SCALE + hkv.to(tl.int64) * stride_vs2
@@ -348,8 +377,8 @@ def _decode_split_kernel(
                 q, m_i, l_i, acc, u_v, n_start, end, k_head, v_head, bt_row, num_pages,
                 b64, stride_k0, stride_k1, stride_v0, stride_v1, stride_vd, qk_scale,
                 ks_head, vs_head, stride_ks0, stride_ks1, stride_vs0, stride_vs1, q_hi, acc_hi,
-                HEAD_DIM, BLOCK_D, BLOCK_N, PAGED, PAGE_SIZE, INPUT_PRECISION, FP8, FP8_WIDEN,
-                D_HI, V_KEY_MAJOR)
+                k_lo, k_hi, v_lo, v_hi, HEAD_DIM, BLOCK_D, BLOCK_N, PAGED, PAGE_SIZE,
+                INPUT_PRECISION, FP8, FP8_WIDEN, D_HI, V_KEY_MAJOR)
             n_start += BLOCK_N
     else:
         for it in range(start, end, BLOCK_N):
@@ -358,8 +387,8 @@ def _decode_split_kernel(
                 num_pages,
                 b64, stride_k0, stride_k1, stride_v0, stride_v1, stride_vd, qk_scale,
                 ks_head, vs_head, stride_ks0, stride_ks1, stride_vs0, stride_vs1, q_hi, acc_hi,
-                HEAD_DIM, BLOCK_D, BLOCK_N, PAGED, PAGE_SIZE, INPUT_PRECISION, FP8, FP8_WIDEN,
-                D_HI, V_KEY_MAJOR)
+                k_lo, k_hi, v_lo, v_hi, HEAD_DIM, BLOCK_D, BLOCK_N, PAGED, PAGE_SIZE,
+                INPUT_PRECISION, FP8, FP8_WIDEN, D_HI, V_KEY_MAJOR)
 
     # ---- normalised partial output + natural-log LSE ----
     empty = l_i == 0.0
@@ -374,12 +403,12 @@ def _decode_split_kernel(
 
     split64 = split.to(tl.int64)
     o_ptrs = (O_PART + split64 * stride_os + b64 * stride_ob
-              + q_head[:, None].to(tl.int64) * stride_oh + offs_d[None, :])
+              + q_head[:, None].to(tl.int64) * stride_oh + (v_lo + offs_d)[None, :])
     tl.store(o_ptrs, o.to(O_PART.dtype.element_ty), mask=hd_mask)
     if D_HI > 0:
         o_hi = tl.where(len_ok, acc_hi / l_safe[:, None], float("nan"))
-        o_hi_ptrs = (O_PART + split64 * stride_os + b64 * stride_ob
-                     + q_head[:, None].to(tl.int64) * stride_oh + offs_dh[None, :])
+        o_hi_ptrs = (O_PART + split64 * stride_os + b64 * stride_ob + q_head[:, None].to(tl.int64)
+                     * stride_oh + (v_hi + tl.arange(0, D_HI))[None, :])
         tl.store(o_hi_ptrs, o_hi.to(O_PART.dtype.element_ty), mask=h_mask[:, None])
     lse_ptrs = LSE_PART + split64 * stride_ls + b64 * stride_lb + q_head
     tl.store(lse_ptrs, lse, mask=h_mask)
@@ -414,7 +443,8 @@ def _decode_split_kernel(
                 out_mask = r_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
             tl.store(out_ptrs, o_m.to(O.dtype.element_ty), mask=out_mask)
             tl.store(LSE + b64 * stride_lse_b + heads, lse_m, mask=r_mask)
-            if D_HI > 0:  # the second tile's columns, merged with the same weights
+            if D_HI > 0:  # columns BLOCK_D .., merged with the same weights
+                offs_dh = BLOCK_D + tl.arange(0, D_HI)
                 o_m, _ = _merge_parts(
                     O_PART + b64 * stride_ob + head0.to(tl.int64) * stride_oh,
                     LSE_PART + b64 * stride_lb + head0, num_splits, stride_os, stride_oh,
@@ -540,6 +570,10 @@ def _split_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     sk, sv = k_cache.stride(), v_cache.stride()
     # (a multiple of 16 is specialised by Triton anyway: a power-of-two D compiles unchanged)
     kv_strides_8 = D % 16 != 0 and all(x % 8 == 0 for x in (*sk[:3], *sv[:3]))
+    # A split head's tiles may follow its rows' offset in a line when every row of a head has
+    # the same one: row strides whole 128-byte lines.
+    align_tiles = d_hi > 0 and all(x * k_cache.element_size() % 128 == 0
+                                   for x in (*sk[:2], *sv[:2]))
     # Fused merge: the last program of a group merges MERGE_H query heads (its own, padded to a
     # power of two) over MERGE_P splits per load, 64 float32 registers per thread of tile.
     # Unfused launches keep the defaults: one binary whatever the split count.
@@ -565,7 +599,8 @@ def _split_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         dict(HKV=Hkv, GROUP=group, HEAD_DIM=D, BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_N=block_n,
              PAGED=paged, PAGE_SIZE=page_size, INPUT_PRECISION=precision,
              INTERPRET_LOOP=_INTERPRET,
-             HAS_SEQLENS=cache_seqlens is not None, **merge, KV_STRIDES_8=kv_strides_8, FP8=fp8,
+             HAS_SEQLENS=cache_seqlens is not None, **merge, KV_STRIDES_8=kv_strides_8,
+             ALIGN_TILES=align_tiles, FP8=fp8,
              FP8_WIDEN=widen, D_HI=d_hi, V_KEY_MAJOR=key_major,
              num_warps=num_warps,
              num_stages=num_stages, **pdl_launch(q.device)))

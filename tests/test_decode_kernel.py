@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 import triton
+import triton.language as tl
 
 import longctx.kernels.decode as decode_mod
 import longctx.kernels.utils as kernel_utils
@@ -269,6 +270,74 @@ def test_head_dim_padded_tile(case, monkeypatch):
 def test_fused_merge_head_dim_not_power_of_two(case, num_splits, dtype):
     """`test_fused_merge` at head_dims 96 and 72 (5 splits: more than the key blocks)."""
     run_fused_merge(case, num_splits, dtype)
+
+
+@triton.jit
+def _tile_starts_kernel(X, OUT, BLOCK_D: tl.constexpr, D_HI: tl.constexpr):
+    lo, hi = decode_mod._split_head_tiles(X, BLOCK_D, D_HI, True)
+    tl.store(OUT, lo)
+    tl.store(OUT + 1, hi)
+
+
+def at_line_offset(t: torch.Tensor, offset: int) -> torch.Tensor:
+    """A copy of t on DEVICE whose first element lies `offset` bytes into a 128-byte line."""
+    es = t.element_size()
+    buf = torch.empty(t.numel() + 128 // es, dtype=t.dtype, device=DEVICE)
+    start = (offset - buf.data_ptr()) % 128 // es
+    out = buf[start:start + t.numel()].view(t.shape)
+    out.copy_(t)
+    assert out.data_ptr() % 128 == offset
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.interpreter
+@pytest.mark.parametrize("D, dtype, swapped_at", [
+    (96, torch.float16, 64),  # 64 + 32: a head 64 bytes into a line takes its 32 first
+    (160, torch.float16, 64),  # 128 + 32
+    (80, torch.float16, 96),  # 64 + 16: 96 bytes in, the 16 columns end the line
+    (96, torch.float32, None),  # 32 columns of 4 bytes are a line: every order covers lines
+], ids=lambda x: str(x).replace("torch.", ""))
+def test_split_head_tiles_follow_the_line(D, dtype, swapped_at):
+    """`_split_head_tiles`: a split head's narrow tile comes first exactly where that puts the
+    wide tile on whole 128-byte lines."""
+    block_d, d_hi = kernel_utils.head_tiles(D)
+    for offset in range(0, 128, 16):
+        x = at_line_offset(torch.zeros(8, dtype=dtype), offset)
+        out = torch.full((2,), -1, dtype=torch.int32, device=DEVICE)
+        _tile_starts_kernel[(1,)](x, out, block_d, d_hi)
+        want = [d_hi, 0] if offset == swapped_at else [0, block_d]
+        assert out.tolist() == want, (offset, out.tolist())
+
+
+@pytest.mark.gpu
+@pytest.mark.interpreter
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+# (0, 0): head 0 in line, head 1 64 bytes in (both its tiles reordered); (64, 0): K's head 0
+# and V's head 1 reordered, not the others; (32, 96): no head where reordering helps
+@pytest.mark.parametrize("offsets", [(0, 0), (64, 0), (32, 96)], ids=lambda o: f"k{o[0]}-v{o[1]}")
+def test_split_head_at_any_line_offset(offsets, paged):
+    """96 = 64 + 32 columns, fp16, 2 KV heads (a row 3 lines long: head 1 starts 64 bytes into
+    a line), K and V starting at the given byte offsets into a line: each program orders its
+    K and V tiles apart (`_split_head_tiles`), and the splits (1 and 5, empty ones exact), their
+    merge and the fused merge give the float64 reference's output within the 2x rule."""
+    lens, Hkv, G, D, ps = [70, 1, 0], 2, 3, 96, 16
+    gen = torch.Generator().manual_seed(hash((offsets, paged)) % 2**31)
+    B, S = len(lens), max(lens) + 3
+    q, k_log, v_log = make_inputs(B, Hkv, G, D, S, torch.float16, gen)
+    seqlens = torch.tensor(lens, dtype=torch.int32)
+    k, v, bt = (k_log, v_log, None) if not paged else make_paged(k_log, v_log, ps, gen)
+    if paged:
+        k_log, v_log = gather_logical(k, bt, S), gather_logical(v, bt, S)
+    k, v = at_line_offset(k, offsets[0]), at_line_offset(v, offsets[1])
+    assert _split_launch(q, k, v, seqlens, bt, 1.0, 5, torch.float32).kwargs["ALIGN_TILES"]
+    for num_splits in (1, 5):
+        check(q, k, v, seqlens, bt, D ** -0.5, num_splits, k_log, v_log, torch.float16)
+    sl, qd = seqlens.to(DEVICE), q.to(DEVICE)
+    btd = None if bt is None else bt.to(DEVICE)
+    o_sep, _ = flash_decode(qd, k, v, sl, btd, D ** -0.5, 5, merge="separate")
+    o_fused, _ = flash_decode(qd, k, v, sl, btd, D ** -0.5, 5, merge="fused")
+    torch.testing.assert_close(o_fused, o_sep)
 
 
 def run_fused_merge(case, num_splits, dtype):
