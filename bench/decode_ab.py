@@ -26,7 +26,7 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch"))
-from bench import capture_graph, interleaved_ms  # noqa: E402
+from bench import capture_graph, interleaved_median_us  # noqa: E402
 
 from longctx.fp8 import dequantize_kv, quantize_kv  # noqa: E402
 from longctx.kernels import decode as D  # noqa: E402
@@ -107,8 +107,7 @@ def main() -> None:
             bound = 2 * (errs["cuDNN"] if "cuDNN" in errs else errs["baseline"]) + 1e-6
             if errs["this tree"] > bound:
                 raise SystemExit(f"{case} {b} x {n}: error {errs['this tree']:.2e} > {bound:.2e}")
-            times = interleaved_ms(graphs, args.rounds, 10, 50)
-            us = {name: t[len(t) // 2] * 1e3 for name, t in times.items()}
+            us = interleaved_median_us(graphs, args.rounds)
             floor = 2 * k.numel() * k.element_size() / bw * 1e6
             rows.append((case, b, n, floor, us))
             print(f"  {case} {b} x {n}: floor {floor:.1f}, "

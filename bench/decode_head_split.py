@@ -22,7 +22,7 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch"))
-from bench import capture_graph, interleaved_ms  # noqa: E402
+from bench import capture_graph, interleaved_median_us  # noqa: E402
 
 from longctx.kernels import decode as D  # noqa: E402
 from longctx.kernels.bandwidth import read_bandwidth  # noqa: E402
@@ -79,8 +79,7 @@ def main() -> None:
                 finally:
                     D.SPLIT_HEADS = True
             graphs["cuDNN"] = capture_graph(cudnn).replay
-            times = interleaved_ms(graphs, args.rounds, 10, 50)
-            us = {name: t[len(t) // 2] * 1e3 for name, t in times.items()}
+            us = interleaved_median_us(graphs, args.rounds)
             floor = 2 * k.numel() * k.element_size() / bw * 1e6
             rows.append((d, b, n, floor, us))
             print(f"  {b} x {n}: floor {floor:.1f}, "

@@ -24,7 +24,7 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch"))
-from bench import capture_graph, interleaved_ms  # noqa: E402
+from bench import capture_graph, interleaved_median_us  # noqa: E402
 
 import longctx  # noqa: E402
 from longctx.kernels.bandwidth import read_bandwidth  # noqa: E402
@@ -86,8 +86,7 @@ def main() -> None:
                     raise SystemExit(f"D={d} {b} x {n} {layout}: error "
                                      f"{errs[f'longctx {layout}']:.2e} > {bound:.2e}")
             graphs = {name: capture_graph(fn).replay for name, fn in fns.items()}
-            times = interleaved_ms(graphs, args.rounds, 10, 50)
-            us = {name: t[len(t) // 2] * 1e3 for name, t in times.items()}
+            us = interleaved_median_us(graphs, args.rounds)
             floor = 2 * k_tok.numel() * k_tok.element_size() / bw * 1e6
             rows.append((d, b, n, floor, us))
             print(f"  D={d} {b} x {n}: floor {floor:.1f}, "
