@@ -231,8 +231,9 @@ def _split_head_tiles(head, BLOCK_D: tl.constexpr, D_HI: tl.constexpr,
     cache whose rows of this head start at `head`: 0 / BLOCK_D, or with ALIGN_TILES (every row
     of the head starts at the same offset in a 128-byte line) D_HI / 0 where that order puts the
     wide tile on whole lines. At 96 = 64 + 32 columns of 16 bits and two KV heads a token, head
-    1's rows start 64 bytes into a line: its 64-column tile took two lines a row, and 16/2 heads
-    at 1 x 262144 ran 8% slower than with every head line-aligned (H200, BENCHMARKS.md)."""
+    1's rows start 64 bytes into a line, and its 64-column tile took two lines a row; taking its
+    32 columns first made D=96 1.02-1.11x faster on an H200, 1.00-1.03x on an H100
+    (BENCHMARKS.md, "Tiles in line order")."""
     if ALIGN_TILES:
         into_line = head.to(tl.int64) % 128  # bytes
         tail = D_HI * (head.dtype.element_ty.primitive_bitwidth // 8)
