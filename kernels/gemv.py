@@ -164,17 +164,22 @@ SKINNY_MAX_ROWS = 16
 
 
 def skinny_config(N: int, K: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages) of `skinny_gemm`: 64-row weight tiles 128 wide,
-    6 loads in flight, or 4 where the outputs are few (N < 8192) or many (N > 16384).
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) of `skinny_gemm`: 64-row weight tiles 256 wide,
+    4 loads in flight; 128 wide where the outputs are very many (N > 32768: tp=1's gate_up).
 
-    From `bench/gemv.py --rows 2|4|8|16 --tp 1|2 --configs ...` on an H200 (CodeLlama-34B
-    shapes, chains in a CUDA graph), with this rule's config, of the read bandwidth: tp=1 qkv
-    82% (cuBLAS 82%), o 90% (87%), gate_up 98% (88%), down 95% (90%), lm_head 97% (90%); tp=2
-    qkv 75% (73%), o 86% (79%), gate_up 91% (84%); tp=2 down and lm_head were timed with 4
-    stages only (90% and 92%; cuBLAS 84% and 87%). 32-row tiles reach 89% on tp=1's qkv but
-    68-81% elsewhere; the row count (2-16) moves none of these by more than 1-2%.
+    In the model (CodeLlama-34B, tp=2, batch 8 x 32k, 2x H200,
+    `bench/results/model/skinny-rule-tp2-b8-h200.txt`) 256-wide steps read 531-533 tokens/s
+    (89.6% of the limit) against 524 for the rule before them (64 x 128, 4 or 6 stages); 5
+    stages tie, 3 stages (523), 8 warps (507) and 512-wide steps (493) are slower. One GPU at
+    batch 8 x 32k reads the same with either rule (286.1 against 286.5). Chained alone
+    (`bench/gemv.py --rows 8`, H200, `bench/results/gemv-skinny-256-h200.txt`) 256-wide steps
+    gain at tp=2's gate_up (91% -> 94% of the read bandwidth), tie elsewhere and lose at tp=1's
+    gate_up (97% -> 96%). Such a chain of one GEMM with PDL reads tp=2's qkv slower with them
+    (66% against 76%; 84% without PDL), which the model does not show (a guess: the next GEMM's
+    waiting programs, 160 KB of shared memory each, crowd the running ones; in a model other
+    kernels come between). Only 8 rows were timed with this rule; it serves 2-16.
     """
-    return (64, 128, 4, 4) if N < 8192 or N > 16384 else (64, 128, 4, 6)
+    return (64, 128, 4, 4) if N > 32768 else (64, 256, 4, 4)
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

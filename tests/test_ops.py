@@ -296,17 +296,19 @@ def test_linear_one_row_gemv_with_bias(N, K, dtype, device):
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("M,N,K,bias", [(2, 37, 100, False), (8, 130, 256, True),
                                         (16, 64, 200, False), (5, 33, 1536, True)])
-def test_skinny_gemm(M, N, K, bias, dtype, device):
+@pytest.mark.parametrize("config", [None, (64, 128, 4, 4)], ids=["rule", "128-wide"])
+def test_skinny_gemm(M, N, K, bias, config, dtype, device):
     """The decode projections at batch 2-16 (kernels/gemv.py skinny_gemm) against float64,
     within 2x torch's error in the same dtype (odd N and K: masked rows, a K tail; M < 16:
-    padded rows)."""
+    padded rows), with the rule's config for these shapes and the one it takes past 32768
+    outputs."""
     from longctx.kernels.gemv import skinny_gemm
 
     w = torch.randn(N, K, device=device).to(dtype)
     x = torch.randn(M, 1, K, device=device).to(dtype)
     b = (torch.randn(N, device=device) * 4).to(dtype) if bias else None
     want = x.double() @ w.double().T + (b.double() if bias else 0)
-    got = skinny_gemm(x, w, b)
+    got = skinny_gemm(x, w, b, config=config)
     assert got.shape == (M, 1, N) and got.dtype == dtype
     plain = torch.nn.functional.linear(x.float(), w.float(), b.float() if bias else None).to(dtype)
     err, err_plain = (got.double() - want).abs().max(), (plain.double() - want).abs().max()
