@@ -132,8 +132,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int] | N
 
 @triton.jit
 def _skinny_kernel(X, W, Y, BIAS, M, N, K, stride_xm, stride_wn, stride_ym,
+                   BUF, PEERS, FLAGS, rank, slot,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr):
+                   EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, PUSH: tl.constexpr,
+                   WORLD: tl.constexpr, IDT: tl.constexpr, MARK: tl.constexpr,
+                   USE_PDL: tl.constexpr):
     # Y^T [N, M] = W [N, K] @ X^T [K, M] for a few rows M <= BLOCK_M: the weight tile is the
     # MMA's long side and the rows its short one, so each weight byte is read once, by one
     # program, and no split-K partials need a second pass. Rows past N read row N-1 (kept in
@@ -156,8 +159,14 @@ def _skinny_kernel(X, W, Y, BIAS, M, N, K, stride_xm, stride_wn, stride_ym,
         acc = tl.dot(w, xt, acc)
     if HAS_BIAS:
         acc += tl.load(BIAS + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[:, None]
-    tl.store(Y + offs_m[None, :] * stride_ym + offs_n[:, None], acc.to(Y.dtype.element_ty),
-             mask=(offs_n < N)[:, None] & (offs_m < M)[None, :])
+    y = acc.to(Y.dtype.element_ty)
+    mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
+    tl.store(Y + offs_m[None, :] * stride_ym + offs_n[:, None], y, mask=mask)
+    if PUSH:
+        # As the GEMV's: the partial [M, N] also goes straight into every rank's buffer.
+        rnd = tl.load(FLAGS, volatile=True) % 3
+        push_message(BUF, PEERS, rnd, y, offs_m[None, :] * N + offs_n[:, None], mask, rank, slot,
+                     WORLD, IDT, MARK)
 
 
 SKINNY_MAX_ROWS = 16
@@ -183,11 +192,13 @@ def skinny_config(N: int, K: int) -> tuple[int, int, int, int]:
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+                config: tuple[int, int, int, int] | None = None,
+                push: PushBuffers | None = None) -> torch.Tensor:
     """x [..., K] holding M <= 16 rows (unit stride in K), weight [N, K] (unit stride in K),
     bias [N] or None -> [..., N] in x's dtype (float32 accumulation on the tensor cores, the
     bias added before the one rounding). The projections of a decode step at batch 2-16.
-    `config` overrides skinny_config, for tuning sweeps."""
+    push: as `gemv`'s (the [M, N] result also goes into every rank's buffers; M * N <=
+    push.slot). `config` overrides skinny_config, for tuning sweeps."""
     N, K = weight.shape
     x2 = x.reshape(-1, K)
     M = x2.shape[0]
@@ -196,10 +207,15 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                          f"got x {tuple(x.shape)}")
     if bias is not None and (bias.shape != (N,) or bias.stride(0) != 1):
         raise ValueError(f"bias must be contiguous [{N}], got {tuple(bias.shape)}")
+    if push is not None and M * N > push.slot:
+        raise ValueError(f"skinny_gemm pushes at most {push.slot} elements, got {M} x {N}")
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     block_n, block_k, warps, stages = config or skinny_config(N, K)
+    buf, peers, flags, rank, slot = push if push is not None else (x2, x2, x2, 0, 0)
     _skinny_kernel[(cdiv(N, block_n),)](
         x2, weight, out, x2 if bias is None else bias, M, N, K, x2.stride(0), weight.stride(0),
-        out.stride(0), BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=K % block_k == 0,
-        HAS_BIAS=bias is not None, num_warps=warps, num_stages=stages, **pdl_launch(x.device))
+        out.stride(0), buf, peers, flags, rank, slot, BLOCK_M=16, BLOCK_N=block_n,
+        BLOCK_K=block_k, EVEN_K=K % block_k == 0, HAS_BIAS=bias is not None,
+        PUSH=push is not None, **push_constexprs(x.dtype, peers.numel() if push else 0),
+        num_warps=warps, num_stages=stages, **pdl_launch(x.device))
     return out.view(*x.shape[:-1], N)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from longctx.config import ALL_REDUCE_KINDS
 from longctx.kernels.allreduce import ROUNDS, PushBuffers, mark_dtype, push_all_reduce
-from longctx.ops import gemv_applies, linear, rms_norm
+from longctx.ops import gemv_applies, linear, rms_norm, skinny_applies
 
 log = logging.getLogger("longctx")
 
@@ -68,10 +68,11 @@ class PushAllReduce(NcclAllReduce):
 
     bufs: this rank's PushBuffers (messages of `dtype`); `symmetric` allocates them in torch
     symmetric memory. `keepalive` holds what owns the buffers. push_gemv: `linear` lets a
-    batch-1 GEMV push its output itself. num_warps: the push kernel's warps per row (None: its
-    rule; bench/allreduce.py `--warps` times others). early: the push kernel after a pushing
-    GEMV lets the next kernel launch before it waits for the peers, not after
-    (`push_all_reduce`); None: where the group has 4 or more ranks (EARLY_FROM_RANKS).
+    batch-1 GEMV or a batch 2-16 skinny GEMM push its output itself. num_warps: the push
+    kernel's warps per row (None: its rule; bench/allreduce.py `--warps` times others). early:
+    the push kernel after a pushing GEMV lets the next kernel launch before it waits for the
+    peers, not after (`push_all_reduce`); None: where the group has 4 or more ranks
+    (EARLY_FROM_RANKS).
     """
 
     def __init__(self, group, bufs: PushBuffers, dtype: torch.dtype, keepalive: object = None,
@@ -115,14 +116,19 @@ class PushAllReduce(NcclAllReduce):
                 and 0 < x.numel() <= self.bufs.slot and x.dim() >= 1 and x.stride(-1) == 1)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """With push_gemv, a batch-1 GEMV stores its output into the buffers itself; the next
-        reduction (which must be of that output) then only waits and sums."""
-        if self.push_gemv and gemv_applies(x, weight) and x.dtype == self.dtype \
-                and x.device == self.device and weight.shape[0] <= self.bufs.slot:
-            from longctx.kernels.gemv import gemv
+        """With push_gemv, a batch-1 GEMV or a batch 2-16 skinny GEMM stores its output into
+        the buffers itself; the next reduction (which must be of that output) then only waits
+        and sums."""
+        if (self.push_gemv and x.dtype == self.dtype and x.device == self.device
+                and x.numel() // x.shape[-1] * weight.shape[0] <= self.bufs.slot):
+            from longctx.kernels.gemv import gemv, skinny_gemm
 
-            self._pushed = gemv(x, weight, push=self.bufs)
-            return self._pushed
+            if gemv_applies(x, weight):
+                self._pushed = gemv(x, weight, push=self.bufs)
+                return self._pushed
+            if skinny_applies(x, weight):
+                self._pushed = skinny_gemm(x, weight, push=self.bufs)
+                return self._pushed
         return linear(x, weight)
 
     def _take_pushed(self, x: torch.Tensor) -> bool:
@@ -198,10 +204,10 @@ def make_all_reduce(group, device: torch.device, dtype: torch.dtype, dim: int,
     """The tensor-parallel sums of `group` for a model of width `dim` in `dtype` on `device`.
 
     kind: "push" (the push kernel, fused with the residual add and RMSNorm), "push_gemv" (as
-    push, and the batch-1 row-parallel GEMVs push their own output: the fastest, bench/
-    allreduce.py), "auto" (push_gemv on CUDA where torch symmetric memory maps the group's GPUs,
-    all on one host; else NCCL) or "nccl". push and push_gemv raise where they cannot be set up.
-    Collective over the group: every rank gets the same kind."""
+    push, and the row-parallel GEMVs (batch 1) and skinny GEMMs (batch 2-16) push their own
+    output: the fastest, bench/allreduce.py), "auto" (push_gemv on CUDA where torch symmetric
+    memory maps the group's GPUs, all on one host; else NCCL) or "nccl". push and push_gemv
+    raise where they cannot be set up. Collective over the group: every rank gets the same kind."""
     if kind not in ALL_REDUCE_KINDS:
         raise ValueError(f"parallel.all_reduce must be one of {', '.join(ALL_REDUCE_KINDS)}, "
                          f"got {kind!r}")

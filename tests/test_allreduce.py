@@ -89,22 +89,37 @@ def _worker(rank, world, tmp, dtype_name):
 
 
 def _gemv_worker(rank, world, tmp, dtype_name):
-    """Row-parallel GEMVs that push their own output, each followed by the fused norm."""
-    from longctx.kernels.gemv import gemv
+    """Row-parallel projections that push their own output, each followed by the fused norm or
+    the plain sum: the GEMV (1 row) and the skinny GEMM (2-4 rows), called directly and through
+    `linear` with push_gemv (which must take the pushing kernel for both)."""
+    from longctx.backend import force_triton
+    from longctx.kernels.gemv import gemv, skinny_gemm
 
     dtype = getattr(torch, dtype_name)
     comm, _ = _setup(rank, world, tmp, dtype)
+    comm.push_gemv = True
     K = 24
-    for step in range(5):
-        _, residual, weight = _data(step, rank, 1, dtype)
-        g = torch.Generator().manual_seed(77 * step + rank)
-        x = torch.randn(1, K, generator=g).to(dtype)
-        w = torch.randn(N, K, generator=g).to(dtype)
-        partial = gemv(x, w, push=comm.bufs)
-        got = comm.add_rms_norm(residual, partial, weight, 1e-5, pushed=True)
-        want = _reference(partial, residual, weight, 1e-5)
-        sum_err, norm_err = _errors(got, want)
-        assert sum_err == 0 and norm_err <= 2e-3, f"rank {rank} step {step}: {sum_err}, {norm_err}"
+    with force_triton():
+        for step, M in enumerate([1, 2, 1, 4, 3, 1, 2, 4]):
+            _, residual, weight = _data(step, rank, M, dtype)
+            g = torch.Generator().manual_seed(77 * step + rank)
+            x = torch.randn(M, K, generator=g).to(dtype)
+            w = torch.randn(N, K, generator=g).to(dtype)
+            direct = step < 5
+            if direct:
+                partial = (gemv if M == 1 else skinny_gemm)(x, w, push=comm.bufs)
+            else:  # add_rms_norm / all_reduce know from linear that it pushed
+                partial = comm.linear(x, w)
+                assert comm._pushed is partial, f"step {step}: linear did not push ({M} rows)"
+            fused = direct or step % 2 == 0
+            if fused:
+                got = comm.add_rms_norm(residual, partial, weight, 1e-5, pushed=direct)
+            else:
+                got = comm.all_reduce(partial)
+            want = _reference(partial, residual if fused else None, weight, 1e-5)
+            sum_err, norm_err = _errors(got, want)
+            assert sum_err == 0 and norm_err <= 2e-3, \
+                f"rank {rank} step {step} ({M} rows): {sum_err}, {norm_err}"
 
 
 def _model_worker(rank, world, tmp):
@@ -189,7 +204,7 @@ def test_make_all_reduce_kinds():
 
 
 @pytest.mark.interpreter
-def test_gemv_push_then_fused_norm(tmp_path):
+def test_gemv_and_skinny_push_then_sum(tmp_path):
     run_distributed(_gemv_worker, 2, str(tmp_path), "float16")
 
 

@@ -87,7 +87,7 @@ def _check_calls(out, partial, residual, weight, what):
 
 
 def _worker(rank, world):
-    from longctx.kernels.gemv import gemv
+    from longctx.kernels.gemv import gemv, skinny_gemm
     from longctx.parallel.allreduce import PushAllReduce
 
     device = torch.device("cuda", rank)
@@ -122,31 +122,35 @@ def _worker(rank, world):
                 _check_calls(_calls(comm, partial, residual, weight), partial, residual, weight,
                              f"{dtype} eager after replay {rep}")
         if dtype != torch.float32:
-            # The GEMV pushes its output; the fused norm only waits (eager and in a graph).
+            # The GEMV (1 row) or the skinny GEMM (8 rows) pushes its output; the fused norm
+            # only waits (eager and in a graph).
             K = 4096
-            x = torch.randn(1, K, device=device, generator=g).to(dtype)
             w = torch.randn(DIM, K, device=device, generator=g).to(dtype) / K ** 0.5
-            r = torch.randn(1, DIM, device=device, generator=gens[1]).to(dtype)
-            def pushed_layer():
-                p = gemv(x, w, push=comm.bufs)
-                return p, comm.add_rms_norm(r, p, weight, 1e-5, pushed=True)
+            for rows in (1, 8):
+                x = torch.randn(rows, K, device=device, generator=g).to(dtype)
+                r = torch.randn(rows, DIM, device=device, generator=gens[1]).to(dtype)
+                project = gemv if rows == 1 else skinny_gemm
 
-            rule = comm.early
-            for early in (rule, not rule):  # both points where the next kernel is released
-                comm.early = early
-                for rep in range(5):
-                    p, got = pushed_layer()
-                    _check(got, _torch_reference(p, r, weight, 1e-5),
-                           f"gemv push eager {rep} (early={early})", weight)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    p, got = pushed_layer()
-                for rep in range(10):
-                    x.copy_(torch.randn(1, K, device=device, generator=g))
-                    graph.replay()
-                    _check(got, _torch_reference(p, r, weight, 1e-5),
-                           f"gemv push replay {rep} (early={early})", weight)
-            comm.early = rule
+                def pushed_layer():
+                    p = project(x, w, push=comm.bufs)
+                    return p, comm.add_rms_norm(r, p, weight, 1e-5, pushed=True)
+
+                rule = comm.early
+                for early in (rule, not rule):  # both points where the next kernel is released
+                    comm.early = early
+                    for rep in range(5):
+                        p, got = pushed_layer()
+                        _check(got, _torch_reference(p, r, weight, 1e-5),
+                               f"{rows}-row push eager {rep} (early={early})", weight)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph):
+                        p, got = pushed_layer()
+                    for rep in range(10):
+                        x.copy_(torch.randn(rows, K, device=device, generator=g))
+                        graph.replay()
+                        _check(got, _torch_reference(p, r, weight, 1e-5),
+                               f"{rows}-row push replay {rep} (early={early})", weight)
+                comm.early = rule
         # Larger than a slot: NCCL in place.
         big = torch.ones(comm.bufs.slot + DIM, device=device, dtype=dtype)
         assert torch.equal(comm.all_reduce(big), torch.full_like(big, float(world)))
