@@ -2,6 +2,7 @@
 stops with a clear message (the benchmarks themselves need a GPU; BENCHMARKS.md). The GPUs are
 hidden from it, so it runs on a GPU machine too."""
 
+import json
 import os
 import subprocess
 import sys
@@ -140,3 +141,37 @@ def test_code_commit_says_when_the_tree_is_not_the_commit(tmp_path, monkeypatch)
     assert hardware.code_commit() == head + "-dirty"
     monkeypatch.setenv("LONGCTX_COMMIT", "abc1234")
     assert hardware.code_commit() == "abc1234"
+
+
+def test_model_rules_override_the_projection_rules(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench/model_rules.py: keyed entries answer their shapes, an unkeyed one every other shape,
+    and shapes left out keep the rule; a malformed entry stops with its flag named. End to end
+    on the CPU, the run's summary records the overrides."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import model_rules
+    finally:
+        sys.path.pop(0)
+    from longctx.kernels import gemv as mod
+
+    rule_gemv, rule_skinny = mod.gemv_config, mod.skinny_config
+    monkeypatch.setattr(mod, "gemv_config", rule_gemv)  # restored after the test
+    monkeypatch.setattr(mod, "skinny_config", rule_skinny)
+    model_rules.apply_overrides({
+        "gemv": model_rules.parse_entries(["8192=8,512,4"], 3, "--gemv"),
+        "skinny": model_rules.parse_entries(["5120=32,128,4,6", "16,64,2,2"], 4, "--skinny")})
+    assert mod.gemv_config(8192) == (8, 512, 4)
+    assert mod.gemv_config(4096) == rule_gemv(4096)
+    assert mod.skinny_config(5120, 8192) == (32, 128, 4, 6)
+    assert mod.skinny_config(8192, 4096) == (16, 64, 2, 2)
+    with pytest.raises(SystemExit, match="--gemv: '4,64' is not"):
+        model_rules.parse_entries(["4,64"], 3, "--gemv")
+
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "model_rules.py"), "--gemv",
+                        "4,64,4", "--", "gen_len=2", f"output={tmp_path / 'runs'}"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=240,
+                       env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr
+    (summary,) = (tmp_path / "runs").glob("*/summary.json")
+    assert json.loads(summary.read_text())["rule_overrides"] == {"gemv": {"*": [4, 64, 4]}}
