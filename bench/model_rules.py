@@ -1,6 +1,6 @@
-"""A projection kernel's launch rule tried in the model, without changing the code: runs
-launch/decode.py with kernels/gemv.py's `gemv_config` (batch 1) and/or `skinny_config` (batch
-2-16) answering fixed configs for the shapes named.
+"""A projection kernel's launch config tried in the model, without changing the code: runs
+launch/decode.py with kernels/gemv.py's `gemv` (batch 1) and/or `skinny_gemm` (batch 2-16)
+taking fixed configs for the weight shapes named, in place of their rules.
 
 Chains of one kernel (bench/gemv.py) and the model can rank configs differently: the skinny
 GEMM's 256-wide tiles read tp=2's qkv at 66% of the bandwidth against 76% in a chain, yet made
@@ -8,20 +8,23 @@ the model 1.5% faster (BENCHMARKS.md, "The skinny GEMM"). So a rule is settled h
 variants alternated in one call on one machine. (Each config is its own binary of the same
 kernel, so this compares like with like; a change to the code itself is bench/ab.sh's job.)
 
-    torchrun --nproc_per_node=2 bench/model_rules.py --gemv 8192=4,1024,4 -- \\
+    torchrun --nproc_per_node=2 bench/model_rules.py --gemv 5120x8192=4,512,2 -- \
         +model=codellama34b parallel.tp=2 context_len=16384 gen_len=64 prefill=synthetic
-    torchrun --nproc_per_node=2 bench/model_rules.py --skinny 64,256,4,4 5120=64,128,4,4 -- \\
+    torchrun --nproc_per_node=2 bench/model_rules.py --skinny 64,256,4,4 5120x8192=64,128,4,4 -- \
         +model=codellama34b parallel.tp=2 context_len=32768 batch=8 gen_len=64 prefill=synthetic
 
---gemv entries are [K=]BLOCK_N,BLOCK_K,WARPS, keyed by the weight's in-features K; --skinny
-entries [N=]BLOCK_N,BLOCK_K,WARPS,STAGES, keyed by its out-features N. An entry without a key
-applies to every shape not named; shapes left out keep the rule. Everything after `--` goes to
-launch/decode.py. Rank 0 adds the overrides to the run's summary.json ("rule_overrides").
+--gemv entries are [NxK=]BLOCK_N,BLOCK_K,WARPS and --skinny entries
+[NxK=]BLOCK_N,BLOCK_K,WARPS,STAGES, keyed by the weight's shape [N, K] (a gated GEMV's N counts
+gate and up rows); an entry without a key applies to every shape not named, and shapes left out
+keep the rule. Everything after `--` goes to launch/decode.py. Rank 0 adds the overrides to the
+run's summary.json ("rule_overrides").
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import inspect
 import json
 import os
 import runpy
@@ -30,41 +33,48 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# (config length, key of the rule's arguments): gemv_config(K), skinny_config(N, K).
-RULES = {"gemv": ("gemv_config", 3, lambda K: K), "skinny": ("skinny_config", 4, lambda N, K: N)}
+# Each kind: the function of kernels/gemv.py it wraps and its config's length. Every caller
+# imports these from the module at call time, so replacing the module's attribute reaches them.
+KINDS = {"gemv": ("gemv", 3), "skinny": ("skinny_gemm", 4)}
 
 
-def parse_entries(entries: list[str], length: int, flag: str) -> dict[int | None, tuple]:
-    """{key or None: config} from '[KEY=]A,B,...' entries of `length` integers."""
-    table: dict[int | None, tuple] = {}
+def parse_entries(entries: list[str], length: int, flag: str
+                  ) -> dict[tuple[int, int] | None, tuple[int, ...]]:
+    """{(N, K) or None: config} from '[NxK=]A,B,...' entries of `length` integers."""
+    table: dict[tuple[int, int] | None, tuple[int, ...]] = {}
     for e in entries:
         key, _, cfg = e.rpartition("=")
         try:
             vals = tuple(int(v) for v in cfg.split(","))
-            k = int(key) if key else None
+            shape = tuple(int(v) for v in key.split("x")) if key else None
         except ValueError:
-            vals, k = (), None
-        if len(vals) != length:
-            raise SystemExit(f"{flag}: '{e}' is not [KEY=] followed by {length} integers")
-        table[k] = vals
+            vals, shape = (), None
+        if len(vals) != length or (key and (shape is None or len(shape) != 2)):
+            raise SystemExit(f"{flag}: '{e}' is not [NxK=] followed by {length} integers")
+        table[shape] = vals
     return table
 
 
-def apply_overrides(tables: dict[str, dict[int | None, tuple]]) -> None:
-    """Replace kernels/gemv.py's rules by ones that answer the tables' configs (the module's
-    own functions look the rules up by name at each call)."""
+def apply_overrides(tables: dict[str, dict[tuple[int, int] | None, tuple[int, ...]]]) -> None:
+    """Replace kernels/gemv.py's `gemv` / `skinny_gemm` by wrappers that pass the tables'
+    config for the weight's shape where the caller gave none."""
     from longctx.kernels import gemv as mod
 
     for kind, table in tables.items():
         if not table:
             continue
-        name, _, key_of = RULES[kind]
-        rule = getattr(mod, name)
+        fn = getattr(mod, KINDS[kind][0])
+        sig = inspect.signature(fn)
 
-        def patched(*shape, _rule=rule, _table=table, _key=key_of):
-            return _table.get(_key(*shape), _table.get(None)) or _rule(*shape)
+        @functools.wraps(fn)
+        def wrapped(*args, _fn=fn, _sig=sig, _table=table, **kwargs):
+            bound = _sig.bind(*args, **kwargs)
+            if bound.arguments.get("config") is None:
+                shape = tuple(bound.arguments["weight"].shape)
+                bound.arguments["config"] = _table.get(shape, _table.get(None))
+            return _fn(*bound.args, **bound.kwargs)
 
-        setattr(mod, name, patched)
+        setattr(mod, KINDS[kind][0], wrapped)
 
 
 def main() -> None:
@@ -73,13 +83,13 @@ def main() -> None:
         raise SystemExit("usage: bench/model_rules.py [--gemv ...] [--skinny ...] -- DECODE_ARGS...")
     cut = argv.index("--")
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--gemv", nargs="*", default=[], help="[K=]BLOCK_N,BLOCK_K,WARPS")
-    p.add_argument("--skinny", nargs="*", default=[], help="[N=]BLOCK_N,BLOCK_K,WARPS,STAGES")
+    p.add_argument("--gemv", nargs="*", default=[], help="[NxK=]BLOCK_N,BLOCK_K,WARPS")
+    p.add_argument("--skinny", nargs="*", default=[], help="[NxK=]BLOCK_N,BLOCK_K,WARPS,STAGES")
     a = p.parse_args(argv[:cut])
-    tables = {kind: parse_entries(getattr(a, kind), RULES[kind][1], f"--{kind}")
-              for kind in RULES}
+    tables = {kind: parse_entries(getattr(a, kind), KINDS[kind][1], f"--{kind}")
+              for kind in KINDS}
     apply_overrides(tables)
-    record = {kind: {str(k) if k is not None else "*": list(v) for k, v in t.items()}
+    record = {kind: {"x".join(map(str, k)) if k else "*": list(v) for k, v in t.items()}
               for kind, t in tables.items() if t}
     rest = argv[cut + 1:]
     output = Path(next((x.split("=", 1)[1] for x in rest if x.startswith("output=")),

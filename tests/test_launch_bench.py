@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -143,11 +144,12 @@ def test_code_commit_says_when_the_tree_is_not_the_commit(tmp_path, monkeypatch)
     assert hardware.code_commit() == "abc1234"
 
 
-def test_model_rules_override_the_projection_rules(tmp_path: Path,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """bench/model_rules.py: keyed entries answer their shapes, an unkeyed one every other shape,
-    and shapes left out keep the rule; a malformed entry stops with its flag named. End to end
-    on the CPU, the run's summary records the overrides."""
+def test_model_rules_override_the_projection_configs(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench/model_rules.py: a shape's entry gives its config, an unkeyed entry every other
+    shape's, shapes left out keep the rule (no config passed) and a caller's own config stands;
+    a malformed entry stops with its flag named. End to end on the CPU, the run's summary
+    records the overrides."""
     sys.path.insert(0, str(ROOT / "bench"))
     try:
         import model_rules
@@ -155,18 +157,28 @@ def test_model_rules_override_the_projection_rules(tmp_path: Path,
         sys.path.pop(0)
     from longctx.kernels import gemv as mod
 
-    rule_gemv, rule_skinny = mod.gemv_config, mod.skinny_config
-    monkeypatch.setattr(mod, "gemv_config", rule_gemv)  # restored after the test
-    monkeypatch.setattr(mod, "skinny_config", rule_skinny)
+    # Stand-ins with the real signatures that return the config they were given.
+    def gemv(x, weight, config=None, gated=False, bias=None, push=None):
+        return config
+
+    def skinny_gemm(x, weight, bias=None, config=None, push=None):
+        return config
+
+    monkeypatch.setattr(mod, "gemv", gemv)  # both restored after the test
+    monkeypatch.setattr(mod, "skinny_gemm", skinny_gemm)
     model_rules.apply_overrides({
-        "gemv": model_rules.parse_entries(["8192=8,512,4"], 3, "--gemv"),
-        "skinny": model_rules.parse_entries(["5120=32,128,4,6", "16,64,2,2"], 4, "--skinny")})
-    assert mod.gemv_config(8192) == (8, 512, 4)
-    assert mod.gemv_config(4096) == rule_gemv(4096)
-    assert mod.skinny_config(5120, 8192) == (32, 128, 4, 6)
-    assert mod.skinny_config(8192, 4096) == (16, 64, 2, 2)
-    with pytest.raises(SystemExit, match="--gemv: '4,64' is not"):
-        model_rules.parse_entries(["4,64"], 3, "--gemv")
+        "gemv": model_rules.parse_entries(["5120x8192=8,512,4"], 3, "--gemv"),
+        "skinny": model_rules.parse_entries(["5120x8192=32,128,4,6", "16,64,2,2"], 4,
+                                            "--skinny")})
+    x, qkv, o = torch.empty(1, 8192), torch.empty(5120, 8192), torch.empty(8192, 4096)
+    assert mod.gemv(x, qkv, push=None) == (8, 512, 4)
+    assert mod.gemv(x, o) is None
+    assert mod.gemv(x, qkv, (2, 64, 1)) == (2, 64, 1)
+    assert mod.skinny_gemm(x, qkv, None) == (32, 128, 4, 6)
+    assert mod.skinny_gemm(x, o, push=None) == (16, 64, 2, 2)
+    for bad in ("4,64", "5120=4,64,4", "axb=4,64,4"):
+        with pytest.raises(SystemExit, match=f"--gemv: '{bad}' is not"):
+            model_rules.parse_entries([bad], 3, "--gemv")
 
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "model_rules.py"), "--gemv",
                         "4,64,4", "--", "gen_len=2", f"output={tmp_path / 'runs'}"],
