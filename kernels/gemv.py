@@ -77,6 +77,8 @@ def _gemv_kernel(X, W, Y, BIAS, N, K, stride_wn, BUF, PEERS, FLAGS, rank, slot,
             # (kernels/allreduce.py), so the reduction need not wait for this kernel to end.
             rnd = tl.load(FLAGS, volatile=True) % 3
             push_message(BUF, PEERS, rnd, y, offs_n, offs_n < N, rank, slot, WORLD, IDT, MARK)
+            if tl.program_id(0) == 0:
+                tl.store(FLAGS + 3, 0)  # the fused norm-GEMV's READY (bench/tried/norm_gemv)
 
 
 def gemv_config(K: int) -> tuple[int, int, int]:
