@@ -77,8 +77,6 @@ def _gemv_kernel(X, W, Y, BIAS, N, K, stride_wn, BUF, PEERS, FLAGS, rank, slot,
             # (kernels/allreduce.py), so the reduction need not wait for this kernel to end.
             rnd = tl.load(FLAGS, volatile=True) % 3
             push_message(BUF, PEERS, rnd, y, offs_n, offs_n < N, rank, slot, WORLD, IDT, MARK)
-            if tl.program_id(0) == 0:
-                tl.store(FLAGS + 3, 0)  # the fused norm-GEMV's READY (bench/tried/norm_gemv)
 
 
 def gemv_config(K: int) -> tuple[int, int, int]:
@@ -119,8 +117,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int] | N
         raise ValueError(f"bias must be contiguous [{N}] and comes without gated, got "
                          f"{tuple(bias.shape)} (gated={gated})")
     out = torch.empty(*x.shape[:-1], N // 2 if gated else N, dtype=x.dtype, device=x.device)
-    if push is not None and gated:
-        raise ValueError("gemv pushes plain projections only, not gated ones")
+    if push is not None and (gated or bias is not None or N > push.slot):
+        # A pushed output is a row-parallel partial: a bias would be added once per rank.
+        raise ValueError(f"gemv with push takes a plain projection (no gated, no bias) of at "
+                         f"most {push.slot} outputs, got {N} (gated={gated}, "
+                         f"bias={'given' if bias is not None else None})")
     block_n, block_k, warps = config or gemv_config(K)
     buf, peers, flags, rank, slot = push if push is not None else (x1, x1, x1, 0, 0)
     _gemv_kernel[(cdiv(N, block_n),)](
@@ -209,6 +210,9 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                          f"got x {tuple(x.shape)}")
     if bias is not None and (bias.shape != (N,) or bias.stride(0) != 1):
         raise ValueError(f"bias must be contiguous [{N}], got {tuple(bias.shape)}")
+    if push is not None and bias is not None:
+        # A pushed output is a row-parallel partial: a bias would be added once per rank.
+        raise ValueError("skinny_gemm with push takes no bias (each rank would add it)")
     if push is not None and M * N > push.slot:
         raise ValueError(f"skinny_gemm pushes at most {push.slot} elements, got {M} x {N}")
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)

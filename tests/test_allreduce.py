@@ -228,3 +228,26 @@ def test_push_all_reduce_refuses_a_bad_num_warps():
     bufs = PushBuffers.from_addresses(buf, [buf.data_ptr()], 0, 16)
     with pytest.raises(ValueError, match="num_warps must be a power of two from 1 to 32, got 3"):
         push_all_reduce(torch.zeros(1, 16, dtype=torch.float16), bufs, num_warps=3)
+
+
+def test_pushing_projections_refuse_what_they_cannot_push():
+    """A pushed output is a row-parallel partial: a bias (added once per rank), a gated GEMV or
+    more outputs than a slot holds are refused, naming what is wrong."""
+    from longctx.kernels.allreduce import ROUNDS, PushBuffers, mark_dtype
+    from longctx.kernels.gemv import gemv, skinny_gemm
+
+    idt, mark = mark_dtype(torch.float16)
+    buf = torch.full((ROUNDS * 64,), mark, dtype=idt)
+    bufs = PushBuffers.from_addresses(buf, [buf.data_ptr()], 0, 64)
+    w, b = torch.zeros(32, 16, dtype=torch.float16), torch.zeros(32, dtype=torch.float16)
+    x1, x4 = torch.zeros(1, 16, dtype=torch.float16), torch.zeros(4, 16, dtype=torch.float16)
+    with pytest.raises(ValueError, match="bias=given"):
+        gemv(x1, w, bias=b, push=bufs)
+    with pytest.raises(ValueError, match="gated=True"):
+        gemv(x1, w, gated=True, push=bufs)
+    with pytest.raises(ValueError, match="at most 64 outputs, got 128"):
+        gemv(x1, torch.zeros(128, 16, dtype=torch.float16), push=bufs)
+    with pytest.raises(ValueError, match="takes no bias"):
+        skinny_gemm(x4, w, bias=b, push=bufs)
+    with pytest.raises(ValueError, match="pushes at most 64 elements, got 4 x 32"):
+        skinny_gemm(x4, w, push=bufs)
