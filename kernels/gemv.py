@@ -116,12 +116,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int] | N
     if bias is not None and (gated or bias.shape != (N,) or bias.stride(0) != 1):
         raise ValueError(f"bias must be contiguous [{N}] and comes without gated, got "
                          f"{tuple(bias.shape)} (gated={gated})")
-    out = torch.empty(*x.shape[:-1], N // 2 if gated else N, dtype=x.dtype, device=x.device)
     if push is not None and (gated or bias is not None or N > push.slot):
         # A pushed output is a row-parallel partial: a bias would be added once per rank.
         raise ValueError(f"gemv with push takes a plain projection (no gated, no bias) of at "
                          f"most {push.slot} outputs, got {N} (gated={gated}, "
                          f"bias={'given' if bias is not None else None})")
+    out = torch.empty(*x.shape[:-1], N // 2 if gated else N, dtype=x.dtype, device=x.device)
     block_n, block_k, warps = config or gemv_config(K)
     buf, peers, flags, rank, slot = push if push is not None else (x1, x1, x1, 0, 0)
     _gemv_kernel[(cdiv(N, block_n),)](
