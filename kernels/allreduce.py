@@ -127,7 +127,7 @@ def _push_all_reduce_kernel(
         rank, N, slot, eps,
         WORLD: tl.constexpr, BLOCK: tl.constexpr, IDT: tl.constexpr, MARK: tl.constexpr,
         HAS_NORM: tl.constexpr, PUSHED: tl.constexpr, USE_PDL: tl.constexpr,
-        WORLD_P2: tl.constexpr, EARLY: tl.constexpr, PUBLISH: tl.constexpr):
+        WORLD_P2: tl.constexpr, EARLY: tl.constexpr):
     # One program per row of the message [M, N]. Without HAS_NORM: Y = sum over ranks of X.
     # With HAS_NORM: s = sum (rounded to the dtype, as an all-reduce returns it), S = R + s
     # (rounded: the new residual), Y = rms_norm(S) * NW, as longctx.ops.rms_norm rounds.
@@ -167,7 +167,7 @@ def _push_all_reduce_kernel(
         for start in range(row * BLOCK, prev, step):
             start = tl.multiple_of(start, VEC)
             tl.store(base + start + offs, MARK, mask=start + offs < prev)
-    if USE_PDL and PUSHED and (EARLY or PUBLISH):
+    if USE_PDL and PUSHED and EARLY:
         # The GEMV has ended here: the next one's programs launch and load their first weights
         # while this one waits for the peers.
         tl.extra.cuda.gdc_wait()
@@ -195,11 +195,6 @@ def _push_all_reduce_kernel(
         inv = tl.rsqrt(tl.sum(hf * hf, axis=0) / N + eps)
         total = (nw * (hf * inv).to(Y.dtype.element_ty).to(tl.float32)).to(Y.dtype.element_ty)
     tl.store(Y + row.to(tl.int64) * stride_y + offs, total, mask=mask)
-    if PUBLISH:
-        # Every warp's stores, then one release: a GEMV spinning on READY (`ready_wait`) may
-        # read Y once it counts every row. The pushing GEMV before this call reset it to 0.
-        tl.debug_barrier()
-        tl.atomic_add(FLAGS + 3, 1, sem="release", scope="gpu")
     if arrived == tl.num_programs(0) - 1:
         tl.store(FLAGS + 2, 0)
         tl.store(FLAGS + 1, tl.num_programs(0) * N)
@@ -208,8 +203,7 @@ def _push_all_reduce_kernel(
 
 def push_all_reduce(x: torch.Tensor, bufs: PushBuffers, *, residual: torch.Tensor | None = None,
                     norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-                    pushed: bool = False, num_warps: int | None = None, early: bool = False,
-                    publish: bool = False):
+                    pushed: bool = False, num_warps: int | None = None, early: bool = False):
     """Sum over the ranks of x [M, N] (this rank's partial, unit stride in N), through the
     push protocol of this module, with this rank's `bufs` (M * N <= bufs.slot).
 
@@ -219,9 +213,7 @@ def push_all_reduce(x: torch.Tensor, bufs: PushBuffers, *, residual: torch.Tenso
     float32 in rank order, rounded once: the same bits on every rank. pushed: x's producer
     already pushed it (x is not read). num_warps: each row's program's warps (None: 4 to 16,
     one per 512 columns; a power of two). early (with pushed): let the next kernel launch once
-    the GEMV has ended, before the wait for the peers' data (else after it). publish (with
-    pushed, on PDL GPUs; implies early): count each stored row in the READY flag, so that the
-    next GEMV, given `ready=bufs`, starts on the flag, not on this kernel's end. Every rank must
+    the GEMV has ended, before the wait for the peers' data (else after it). Every rank must
     make the same calls in the same order with the same M and N.
     """
     M, N = x.shape
@@ -241,6 +233,5 @@ def push_all_reduce(x: torch.Tensor, bufs: PushBuffers, *, residual: torch.Tenso
         out.stride(0), bufs.buf, bufs.peers, bufs.flags, bufs.rank, N, bufs.slot, eps,
         BLOCK=BLOCK, **push_constexprs(x.dtype, bufs.peers.numel()), HAS_NORM=has_norm,
         PUSHED=pushed, WORLD_P2=next_power_of_2(bufs.peers.numel()), EARLY=early,
-        PUBLISH=publish,
         num_warps=num_warps, **pdl_launch(x.device))
     return (s, out) if has_norm else out

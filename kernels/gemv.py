@@ -33,36 +33,11 @@ def _load_x(X, ks, K, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _ld_acquire(ptr):
-    # One int32 load with acquire semantics at GPU scope: what follows it in this thread sees
-    # every write the matching release made visible.
-    return tl.inline_asm_elementwise("ld.global.acquire.gpu.b32 $0, [$1];", "=r,l", [ptr],
-                                     dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _spin_t0(ptr):
-    # Thread 0 alone spins (acquire loads) until *ptr >= 1; the others skip to the barrier after.
-    return tl.inline_asm_elementwise(
-        "{ .reg .pred p; .reg .b32 r; mov.u32 r, %tid.x; setp.ne.u32 p, r, 0; @p bra D${:uid};\n"
-        "L${:uid}: ld.global.acquire.gpu.b32 r, [$1]; setp.lt.s32 p, r, 1; @p bra L${:uid};\n"
-        "D${:uid}: mov.u32 $0, 0; }", "=r,l", [ptr], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _spin_sleep(ptr):
-    return tl.inline_asm_elementwise(
-        "{ .reg .pred p; .reg .b32 r;\n"
-        "L${:uid}: ld.global.acquire.gpu.b32 r, [$1]; setp.ge.s32 p, r, 1; @p bra D${:uid}; nanosleep.u32 200; bra L${:uid};\n"
-        "D${:uid}: mov.u32 $0, 0; }", "=r,l", [ptr], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _gemv_kernel(X, W, Y, BIAS, N, K, stride_wn, BUF, PEERS, FLAGS, READY, rank, slot,
+def _gemv_kernel(X, W, Y, BIAS, N, K, stride_wn, BUF, PEERS, FLAGS, rank, slot,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                  GATED: tl.constexpr, HAS_BIAS: tl.constexpr, PUSH: tl.constexpr,
                  WORLD: tl.constexpr, IDT: tl.constexpr, MARK: tl.constexpr,
-                 USE_PDL: tl.constexpr, READY_WAIT: tl.constexpr, SPIN: tl.constexpr = 0):
+                 USE_PDL: tl.constexpr):
     # GATED: W stacks gate rows [0, N/2) over up rows [N/2, N) and Y gets silu(gate) * up
     # [N/2]. Each program then takes BLOCK_N/2 outputs, interleaving their gate and up rows.
     if GATED:
@@ -79,25 +54,7 @@ def _gemv_kernel(X, W, Y, BIAS, N, K, stride_wn, BUF, PEERS, FLAGS, READY, rank,
     # No kernel writes the weights: the first tile's load is issued before the PDL wait, so it
     # overlaps the previous kernel's tail; x comes from that kernel and is read after.
     w = _load_w(W, rows, offs_k, K, EVEN_K)
-    if READY_WAIT:
-        # x is a push all-reduce's output (publish=True), counted in READY once stored: start on
-        # that, not on the end of its kernel. (PDL launched this kernel before that end.)
-        if SPIN == 0:
-            while _ld_acquire(READY) < 1:
-                pass
-        elif SPIN == 1:
-            _spin_t0(READY)
-            tl.debug_barrier()
-        elif SPIN == 2:
-            _spin_sleep(READY)
-        else:
-            while _ld_acquire(READY) < 1:
-                pass
-            if SPIN == 3:
-                tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    else:
-        pdl_wait(USE_PDL)
+    pdl_wait(USE_PDL)
     acc = w.to(tl.float32) * _load_x(X, offs_k, K, EVEN_K)[None, :]
     for k0 in range(BLOCK_K, K, BLOCK_K):
         ks = k0 + offs_k
@@ -106,10 +63,6 @@ def _gemv_kernel(X, W, Y, BIAS, N, K, stride_wn, BUF, PEERS, FLAGS, READY, rank,
     if HAS_BIAS:  # (not GATED) added to the float32 sums: one rounding, as cuBLAS's epilogue
         y += tl.load(BIAS + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
     y = y.to(Y.dtype.element_ty)
-    if READY_WAIT and SPIN != 4:
-        # The push kernel has ended before this kernel writes or ends: the memory it reads is
-        # free, and the kernels after this one see its call count advanced.
-        tl.extra.cuda.gdc_wait()
     if GATED:
         # Rounded as the unfused ops round: projection output, silu(gate), then the product.
         g, u = tl.split(tl.reshape(y, [BLOCK_N // 2, 2]))
@@ -124,10 +77,6 @@ def _gemv_kernel(X, W, Y, BIAS, N, K, stride_wn, BUF, PEERS, FLAGS, READY, rank,
             # (kernels/allreduce.py), so the reduction need not wait for this kernel to end.
             rnd = tl.load(FLAGS, volatile=True) % 3
             push_message(BUF, PEERS, rnd, y, offs_n, offs_n < N, rank, slot, WORLD, IDT, MARK)
-            if tl.program_id(0) == 0:
-                # READY, for the push kernel that sums this partial (publish=True). The GEMV
-                # that waited on it before this one has ended (this kernel's PDL wait).
-                tl.store(FLAGS + 3, 0)
 
 
 def gemv_config(K: int) -> tuple[int, int, int]:
@@ -150,17 +99,14 @@ def gemv_config(K: int) -> tuple[int, int, int]:
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int] | None = None,
          gated: bool = False, bias: torch.Tensor | None = None,
-         push: PushBuffers | None = None, ready: PushBuffers | None = None, _spin=0) -> torch.Tensor:
+         push: PushBuffers | None = None) -> torch.Tensor:
     """x [..., K] holding one row, weight [N, K] (unit stride in K) -> [..., N] in x's dtype
     (fp32 accumulation; bias [N], contiguous, added before the rounding). gated: weight stacks
     gate over up rows (N even) and the result is silu(gate) * up [..., N/2], rounded as
     longctx.ops.silu_mul after the projection would (no bias). push: this rank's buffers of a
     push all-reduce (kernels/allreduce.py): the result, a row-parallel partial, is also pushed
-    into every rank's buffer; the all-reduce call that follows must pass pushed=True. ready:
-    x is the output of the push all-reduce just before on these buffers, launched with
-    publish=True: this kernel, launched while that one runs, starts once its flag says x is
-    stored (on GPUs with PDL; elsewhere, stream order). `config` overrides gemv_config, for
-    tuning sweeps."""
+    into every rank's buffer; the all-reduce call that follows must pass pushed=True. `config`
+    overrides gemv_config, for tuning sweeps."""
     N, K = weight.shape
     x1 = x.reshape(-1)
     if x1.numel() != K:
@@ -178,13 +124,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int] | N
     out = torch.empty(*x.shape[:-1], N // 2 if gated else N, dtype=x.dtype, device=x.device)
     block_n, block_k, warps = config or gemv_config(K)
     buf, peers, flags, rank, slot = push if push is not None else (x1, x1, x1, 0, 0)
-    pdl = pdl_launch(x.device)
     _gemv_kernel[(cdiv(N, block_n),)](
         x1, weight, out, x1 if bias is None else bias, N, K, weight.stride(0), buf, peers, flags,
-        x1 if ready is None else ready.flags[3:], rank, slot, BLOCK_N=block_n, BLOCK_K=block_k,
-        EVEN_K=K % block_k == 0, GATED=gated, HAS_BIAS=bias is not None, PUSH=push is not None,
-        **push_constexprs(x.dtype, peers.numel() if push else 0), num_warps=warps,
-        READY_WAIT=ready is not None and pdl["USE_PDL"] and _spin != 5, SPIN=_spin, **pdl)
+        rank, slot, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=K % block_k == 0, GATED=gated,
+        HAS_BIAS=bias is not None, PUSH=push is not None,
+        **push_constexprs(x.dtype, peers.numel() if push else 0),
+        num_warps=warps, **pdl_launch(x.device))
     return out
 
 
