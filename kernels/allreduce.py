@@ -92,12 +92,6 @@ def push_constexprs(dtype: torch.dtype, world: int) -> dict:
 
 
 @triton.jit
-def _now(ptr):
-    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,l", [ptr], dtype=tl.int64,
-                                     is_pure=False, pack=1)
-
-
-@triton.jit
 def _slot_ptr(BUF, PEERS, dst, IDT: tl.constexpr):
     # Base of rank dst's buffer (BUF: this rank's, typed IDT, the integer view of the message
     # dtype). The offsets are multiples of 16 bytes: said, so that the accesses vectorize.
@@ -130,17 +124,15 @@ def _wait_slots(ptrs, mask, MARK: tl.constexpr):
 @triton.jit
 def _push_all_reduce_kernel(
         X, stride_x, R, stride_r, S, stride_s, NW, Y, stride_y, BUF, PEERS, FLAGS,
-        rank, N, slot, eps, DBG,
+        rank, N, slot, eps,
         WORLD: tl.constexpr, BLOCK: tl.constexpr, IDT: tl.constexpr, MARK: tl.constexpr,
         HAS_NORM: tl.constexpr, PUSHED: tl.constexpr, USE_PDL: tl.constexpr,
-        WORLD_P2: tl.constexpr, EARLY: tl.constexpr, TL: tl.constexpr = False):
+        WORLD_P2: tl.constexpr, EARLY: tl.constexpr):
     # One program per row of the message [M, N]. Without HAS_NORM: Y = sum over ranks of X.
     # With HAS_NORM: s = sum (rounded to the dtype, as an all-reduce returns it), S = R + s
     # (rounded: the new residual), Y = rms_norm(S) * NW, as longctx.ops.rms_norm rounds.
     # PUSHED: the producer of X already pushed it (kernels/gemv.py), X is not read.
     row = tl.program_id(0)
-    if TL:
-        t0 = _now(DBG)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
     if HAS_NORM:
@@ -183,8 +175,6 @@ def _push_all_reduce_kernel(
     srcs = tl.arange(0, WORLD_P2)
     ptrs = BUF + (rnd * WORLD + srcs)[:, None].to(tl.int64) * slot + at[None, :]
     v = _wait_slots(ptrs, (srcs < WORLD)[:, None] & mask[None, :], MARK)
-    if TL:
-        t1 = _now(DBG)
     v = v.to(Y.dtype.element_ty, bitcast=True).to(tl.float32)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for src in tl.static_range(WORLD):
@@ -196,8 +186,6 @@ def _push_all_reduce_kernel(
         # (memory it may still read), then let the next GEMV launch.
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    if TL:
-        t2 = _now(DBG)
     total = acc.to(Y.dtype.element_ty)
     if HAS_NORM:
         r = tl.load(R + row.to(tl.int64) * stride_r + offs, mask=mask, other=0.0)
@@ -207,14 +195,6 @@ def _push_all_reduce_kernel(
         inv = tl.rsqrt(tl.sum(hf * hf, axis=0) / N + eps)
         total = (nw * (hf * inv).to(Y.dtype.element_ty).to(tl.float32)).to(Y.dtype.element_ty)
     tl.store(Y + row.to(tl.int64) * stride_y + offs, total, mask=mask)
-    if TL:
-        tl.debug_barrier()
-        t3 = _now(DBG)
-        b = DBG + (count % 256) * 16 + 4
-        tl.store(b, t0)
-        tl.store(b + 1, t1)
-        tl.store(b + 2, t2)
-        tl.store(b + 3, t3)
     if arrived == tl.num_programs(0) - 1:
         tl.store(FLAGS + 2, 0)
         tl.store(FLAGS + 1, tl.num_programs(0) * N)
@@ -223,8 +203,7 @@ def _push_all_reduce_kernel(
 
 def push_all_reduce(x: torch.Tensor, bufs: PushBuffers, *, residual: torch.Tensor | None = None,
                     norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-                    pushed: bool = False, num_warps: int | None = None, early: bool = False,
-                    _dbg=None):
+                    pushed: bool = False, num_warps: int | None = None, early: bool = False):
     """Sum over the ranks of x [M, N] (this rank's partial, unit stride in N), through the
     push protocol of this module, with this rank's `bufs` (M * N <= bufs.slot).
 
@@ -252,7 +231,6 @@ def push_all_reduce(x: torch.Tensor, bufs: PushBuffers, *, residual: torch.Tenso
     _push_all_reduce_kernel[(M,)](
         x, x.stride(0), r, r.stride(0), s, s.stride(0), norm_weight if has_norm else x, out,
         out.stride(0), bufs.buf, bufs.peers, bufs.flags, bufs.rank, N, bufs.slot, eps,
-        x if _dbg is None else _dbg, TL=_dbg is not None,
         BLOCK=BLOCK, **push_constexprs(x.dtype, bufs.peers.numel()), HAS_NORM=has_norm,
         PUSHED=pushed, WORLD_P2=next_power_of_2(bufs.peers.numel()), EARLY=early,
         num_warps=num_warps, **pdl_launch(x.device))

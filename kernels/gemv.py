@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from longctx.kernels.allreduce import PushBuffers, _now, push_constexprs, push_message
+from longctx.kernels.allreduce import PushBuffers, push_constexprs, push_message
 from longctx.kernels.utils import cdiv, next_power_of_2, pdl_launch, pdl_wait
 
 
@@ -33,13 +33,11 @@ def _load_x(X, ks, K, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _gemv_kernel(X, W, Y, BIAS, N, K, stride_wn, BUF, PEERS, FLAGS, rank, slot, DBG, DFLAGS,
+def _gemv_kernel(X, W, Y, BIAS, N, K, stride_wn, BUF, PEERS, FLAGS, rank, slot,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                  GATED: tl.constexpr, HAS_BIAS: tl.constexpr, PUSH: tl.constexpr,
                  WORLD: tl.constexpr, IDT: tl.constexpr, MARK: tl.constexpr,
-                 USE_PDL: tl.constexpr, ROLE: tl.constexpr = 0):
-    if ROLE != 0:
-        t0 = _now(DBG)
+                 USE_PDL: tl.constexpr):
     # GATED: W stacks gate rows [0, N/2) over up rows [N/2, N) and Y gets silu(gate) * up
     # [N/2]. Each program then takes BLOCK_N/2 outputs, interleaving their gate and up rows.
     if GATED:
@@ -57,15 +55,6 @@ def _gemv_kernel(X, W, Y, BIAS, N, K, stride_wn, BUF, PEERS, FLAGS, rank, slot, 
     # overlaps the previous kernel's tail; x comes from that kernel and is read after.
     w = _load_w(W, rows, offs_k, K, EVEN_K)
     pdl_wait(USE_PDL)
-    if ROLE != 0:
-        t1 = _now(DBG)
-        cnt = tl.load(DFLAGS, volatile=True)
-        base = DBG + ((cnt - (ROLE - 1)) % 256) * 16 + (ROLE - 1) * 8
-        if tl.program_id(0) == 0:
-            tl.store(base, t0)
-            tl.store(base + 1, t1)
-        if tl.program_id(0) == tl.num_programs(0) - 1:
-            tl.store(base + 2, t1)
     acc = w.to(tl.float32) * _load_x(X, offs_k, K, EVEN_K)[None, :]
     for k0 in range(BLOCK_K, K, BLOCK_K):
         ks = k0 + offs_k
@@ -88,9 +77,6 @@ def _gemv_kernel(X, W, Y, BIAS, N, K, stride_wn, BUF, PEERS, FLAGS, rank, slot, 
             # (kernels/allreduce.py), so the reduction need not wait for this kernel to end.
             rnd = tl.load(FLAGS, volatile=True) % 3
             push_message(BUF, PEERS, rnd, y, offs_n, offs_n < N, rank, slot, WORLD, IDT, MARK)
-    if ROLE != 0:
-        if tl.program_id(0) == tl.num_programs(0) - 1:
-            tl.store(base + 3, _now(DBG))
 
 
 def gemv_config(K: int) -> tuple[int, int, int]:
@@ -113,7 +99,7 @@ def gemv_config(K: int) -> tuple[int, int, int]:
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int] | None = None,
          gated: bool = False, bias: torch.Tensor | None = None,
-         push: PushBuffers | None = None, _dbg=None) -> torch.Tensor:
+         push: PushBuffers | None = None) -> torch.Tensor:
     """x [..., K] holding one row, weight [N, K] (unit stride in K) -> [..., N] in x's dtype
     (fp32 accumulation; bias [N], contiguous, added before the rounding). gated: weight stacks
     gate over up rows (N even) and the result is silu(gate) * up [..., N/2], rounded as
@@ -140,7 +126,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int] | N
     buf, peers, flags, rank, slot = push if push is not None else (x1, x1, x1, 0, 0)
     _gemv_kernel[(cdiv(N, block_n),)](
         x1, weight, out, x1 if bias is None else bias, N, K, weight.stride(0), buf, peers, flags,
-        rank, slot, *(_dbg[:2] if _dbg else (x1, x1)), ROLE=_dbg[2] if _dbg else 0, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=K % block_k == 0, GATED=gated,
+        rank, slot, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=K % block_k == 0, GATED=gated,
         HAS_BIAS=bias is not None, PUSH=push is not None,
         **push_constexprs(x.dtype, peers.numel() if push else 0),
         num_warps=warps, **pdl_launch(x.device))
