@@ -139,6 +139,12 @@ def _push_all_reduce_kernel(
         # The norm's weight (no kernel writes it) is loaded first, in the shadow of the wait for
         # the peers; after the sum it was a second memory latency on every call's critical path.
         nw = tl.load(NW + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_NORM and PUSHED:
+        # The residual comes from before the pushing GEMV, whose programs passed their PDL wait
+        # on that work before this kernel could launch: it is read before the wait for the
+        # peers. Read after it, its load queued behind the next GEMV's first weight tiles, in
+        # flight by then with `early` (bench/results/allreduce-ready-flag-h200x2.txt).
+        r = tl.load(R + row.to(tl.int64) * stride_r + offs, mask=mask, other=0.0)
     if USE_PDL and not PUSHED:
         # X is the predecessor's output. Dependents launch only after this wait: launched
         # earlier, the next GEMV's programs would take SMs from the predecessor still running.
@@ -188,7 +194,8 @@ def _push_all_reduce_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     total = acc.to(Y.dtype.element_ty)
     if HAS_NORM:
-        r = tl.load(R + row.to(tl.int64) * stride_r + offs, mask=mask, other=0.0)
+        if not PUSHED:
+            r = tl.load(R + row.to(tl.int64) * stride_r + offs, mask=mask, other=0.0)
         h = (r.to(tl.float32) + total.to(tl.float32)).to(Y.dtype.element_ty)
         tl.store(S + row.to(tl.int64) * stride_s + offs, h, mask=mask)
         hf = h.to(tl.float32)
@@ -211,7 +218,7 @@ def push_all_reduce(x: torch.Tensor, bufs: PushBuffers, *, residual: torch.Tenso
     rms_norm(residual + sum) * norm_weight), each [M, N] in x's dtype, rounded as
     longctx.ops.rms_norm(residual, w, eps, add=sum) rounds; else the sum [M, N]. The sum is in
     float32 in rank order, rounded once: the same bits on every rank. pushed: x's producer
-    already pushed it (x is not read). num_warps: each row's program's warps (None: 4 to 16,
+    already pushed it (x is not read; the residual must come from before that GEMV). num_warps: each row's program's warps (None: 4 to 16,
     one per 512 columns; a power of two). early (with pushed): let the next kernel launch once
     the GEMV has ended, before the wait for the peers' data (else after it). Every rank must
     make the same calls in the same order with the same M and N.

@@ -32,8 +32,10 @@ MAX_ROWS = 16
 # its own GEMV has ended, before waiting for the peers' data; with fewer, after that wait.
 # CodeLlama-34B at 16k, 4x H100 (bench/results/allreduce-early-h100x4.txt): tp=4 146.8-146.9
 # tok/s early against 145.4-145.6 (three runs each, against a tree with this set to 99), tp=2 80.7
-# against 80.8.
-EARLY_FROM_RANKS = 4
+# against 80.8. With the residual loaded before the wait (2x H200, chains of 48 tp=2 layers,
+# bench/results/allreduce-ready-flag-h200x2.txt) early takes 168.5-168.8 µs a layer against
+# 169.5-170.0, and tp=2 takes it too.
+EARLY_FROM_RANKS = 2
 
 
 class NcclAllReduce:
@@ -71,8 +73,8 @@ class PushAllReduce(NcclAllReduce):
     batch-1 GEMV or a batch 2-16 skinny GEMM push its output itself. num_warps: the push
     kernel's warps per row (None: its rule; bench/allreduce.py `--warps` times others). early:
     the push kernel after a pushing GEMV lets the next kernel launch before it waits for the
-    peers, not after (`push_all_reduce`); None: where the group has 4 or more ranks
-    (EARLY_FROM_RANKS).
+    peers, not after (`push_all_reduce`); None: where the group has EARLY_FROM_RANKS or
+    more ranks.
     """
 
     def __init__(self, group, bufs: PushBuffers, dtype: torch.dtype, keepalive: object = None,
