@@ -4,7 +4,7 @@ At batch 1 a linear layer is a pure stream of its weights, so the ceiling is the
 bandwidth. Each program owns BLOCK_N rows of W and walks K in BLOCK_K steps, multiplying in
 fp32 into a [BLOCK_N, BLOCK_K] register tile that is summed once at the end (no per-step
 reductions); wide K steps (1-2K elements of 4 rows per load) keep enough bytes in flight per
-program to cover HBM latency, and the first step's weights load before the PDL wait.
+program to cover HBM latency, and the first two steps' weights load before the PDL wait.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def _gemv_kernel(X, W, Y, BIAS, N, K, stride_wn, BUF, PEERS, FLAGS, rank, slot,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                  GATED: tl.constexpr, HAS_BIAS: tl.constexpr, PUSH: tl.constexpr,
                  WORLD: tl.constexpr, IDT: tl.constexpr, MARK: tl.constexpr,
-                 USE_PDL: tl.constexpr):
+                 USE_PDL: tl.constexpr, TWO_TILES: tl.constexpr):
     # GATED: W stacks gate rows [0, N/2) over up rows [N/2, N) and Y gets silu(gate) * up
     # [N/2]. Each program then takes BLOCK_N/2 outputs, interleaving their gate and up rows.
     if GATED:
@@ -51,12 +51,18 @@ def _gemv_kernel(X, W, Y, BIAS, N, K, stride_wn, BUF, PEERS, FLAGS, rank, slot,
         rows = tl.minimum(offs_n, N - 1)
     rows = rows.to(tl.int64) * stride_wn
     offs_k = tl.arange(0, BLOCK_K)
-    # No kernel writes the weights: the first tile's load is issued before the PDL wait, so it
-    # overlaps the previous kernel's tail; x comes from that kernel and is read after.
+    # No kernel writes the weights: the first two tiles' loads are issued before the PDL wait,
+    # so they overlap the previous kernel's tail (a whole sum of tensor parallelism, with its
+    # wait for the peers: 32 MB in flight from a wave of programs at tp=2's shapes); x comes from
+    # that kernel and is read after.
     w = _load_w(W, rows, offs_k, K, EVEN_K)
+    if TWO_TILES:
+        w2 = _load_w(W, rows, BLOCK_K + offs_k, K, EVEN_K)
     pdl_wait(USE_PDL)
     acc = w.to(tl.float32) * _load_x(X, offs_k, K, EVEN_K)[None, :]
-    for k0 in range(BLOCK_K, K, BLOCK_K):
+    if TWO_TILES:
+        acc += w2.to(tl.float32) * _load_x(X, BLOCK_K + offs_k, K, EVEN_K)[None, :]
+    for k0 in range((1 + TWO_TILES) * BLOCK_K, K, BLOCK_K):
         ks = k0 + offs_k
         acc += _load_w(W, rows, ks, K, EVEN_K).to(tl.float32) * _load_x(X, ks, K, EVEN_K)[None, :]
     y = tl.sum(acc, axis=1)
@@ -129,7 +135,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int] | N
         rank, slot, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=K % block_k == 0, GATED=gated,
         HAS_BIAS=bias is not None, PUSH=push is not None,
         **push_constexprs(x.dtype, peers.numel() if push else 0),
-        num_warps=warps, **pdl_launch(x.device))
+        num_warps=warps, TWO_TILES=K > block_k, **pdl_launch(x.device))
     return out
 
 
