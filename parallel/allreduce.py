@@ -28,13 +28,14 @@ log = logging.getLogger("longctx")
 # Rows a decode step's message may have (batch x 1 position); larger go to NCCL.
 MAX_ROWS = 16
 
-# From this many ranks the push kernel after a pushing GEMV lets the next GEMV launch as soon as
-# its own GEMV has ended, before waiting for the peers' data; with fewer, after that wait.
-# CodeLlama-34B at 16k, 4x H100 (bench/results/allreduce-early-h100x4.txt): tp=4 146.8-146.9
-# tok/s early against 145.4-145.6 (three runs each, against a tree with this set to 99), tp=2 80.7
-# against 80.8. With the residual loaded before the wait (2x H200, chains of 48 tp=2 layers,
-# bench/results/allreduce-ready-flag-h200x2.txt) early takes 168.5-168.8 µs a layer against
-# 169.5-170.0, and tp=2 takes it too.
+# From this many ranks (now every group) the push kernel after a pushing GEMV lets the next GEMV
+# launch as soon as its own GEMV has ended, before waiting for the peers' data; with fewer, after
+# that wait. CodeLlama-34B at 16k, 4x H100 (bench/results/allreduce-early-h100x4.txt): tp=4
+# 146.8-146.9 tok/s early against 145.4-145.6, tp=2 80.7 against 80.8. Since the residual is read
+# before the wait (kernels/allreduce.py), tp=2 gains too: 2x H200, chains of 48 tp=2 layers
+# 168.5-168.8 µs a layer against 169.5-170.0 (bench/results/allreduce-ready-flag-h200x2.txt),
+# the model +0.6% at 16k and +0.9% at batch 8 x 32k
+# (bench/results/model/ab-early-residual-tp2-h200x2.txt).
 EARLY_FROM_RANKS = 2
 
 
