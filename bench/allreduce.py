@@ -8,8 +8,8 @@ the norm, against the GEMVs alone (the difference is the time the sums add to a 
                                                    [--warps 8 32] [--early]
 
 --warps adds the push kernel at those warps per row beside its rule's (16 at 8192 columns);
---early the pushing GEMV with the push kernel's other release point (parallel/allreduce.py
-EARLY_FROM_RANKS).
+--early the pushing GEMV with the push kernel's other release point (after the peers' data is in;
+parallel/allreduce.py PushAllReduce's `early`).
 
 Each variant is a chain of `chain` calls captured in one CUDA graph (a decode step makes 96 at
 CodeLlama-34B), replayed `reps` times after a barrier; the median replay over `chain` is
@@ -93,7 +93,7 @@ def main() -> None:
                    help="the push kernel also at these warps per row")
     p.add_argument("--early", action="store_true",
                    help="also the pushing GEMV with the push kernel's other release point "
-                        "(early where its rule says late, and the reverse)")
+                        "(late, after the peers' data is in, beside the default early one)")
     a = p.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))

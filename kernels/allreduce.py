@@ -220,9 +220,9 @@ def push_all_reduce(x: torch.Tensor, bufs: PushBuffers, *, residual: torch.Tenso
     float32 in rank order, rounded once: the same bits on every rank. pushed: x's producer
     already pushed it (x is not read; the residual must come from before that GEMV).
     num_warps: each row's program's warps (None: 4 to 16, one per 512 columns; a power of
-    two). early (with pushed): let the next kernel launch once
-    the GEMV has ended, before the wait for the peers' data (else after it). Every rank must
-    make the same calls in the same order with the same M and N.
+    two). early (with pushed): let the next kernel launch once the GEMV has ended, before the
+    wait for the peers' data (else after it). Every rank must make the same calls in the same
+    order with the same M and N.
     """
     M, N = x.shape
     if M * N > bufs.slot:

@@ -28,16 +28,6 @@ log = logging.getLogger("longctx")
 # Rows a decode step's message may have (batch x 1 position); larger go to NCCL.
 MAX_ROWS = 16
 
-# From this many ranks (now every group) the push kernel after a pushing GEMV lets the next GEMV
-# launch as soon as its own GEMV has ended, before waiting for the peers' data; with fewer, after
-# that wait. CodeLlama-34B at 16k, 4x H100 (bench/results/allreduce-early-h100x4.txt): tp=4
-# 146.8-146.9 tok/s early against 145.4-145.6, tp=2 80.7 against 80.8. Since the residual is read
-# before the wait (kernels/allreduce.py), tp=2 gains too: 2x H200, chains of 48 tp=2 layers
-# 168.5-168.8 µs a layer against 169.5-170.0 (bench/results/allreduce-ready-flag-h200x2.txt),
-# the model +0.6% at 16k and +0.9% at batch 8 x 32k
-# (bench/results/model/ab-early-residual-tp2-h200x2.txt).
-EARLY_FROM_RANKS = 2
-
 
 class NcclAllReduce:
     """The sums through NCCL (or gloo on CPU): all_reduce, then the norm kernel."""
@@ -74,17 +64,23 @@ class PushAllReduce(NcclAllReduce):
     batch-1 GEMV or a batch 2-16 skinny GEMM push its output itself. num_warps: the push
     kernel's warps per row (None: its rule; bench/allreduce.py `--warps` times others). early:
     the push kernel after a pushing GEMV lets the next kernel launch before it waits for the
-    peers, not after (`push_all_reduce`); None: where the group has EARLY_FROM_RANKS or
-    more ranks.
+    peers (`push_all_reduce`), else after; bench/allreduce.py `--early` times the other.
+
+    Early is faster at every group size now that the push kernel reads the residual before
+    that wait: CodeLlama-34B at 16k on 4x H100, tp=4 146.8-146.9 tok/s against 145.4-145.6
+    (bench/results/allreduce-early-h100x4.txt, before that read, when tp=2 tied: 80.7 against
+    80.8); on 2x H200 after it, chains of 48 tp=2 layers 168.5-168.8 µs a layer against
+    169.5-170.0 (bench/results/allreduce-ready-flag-h200x2.txt) and the model +0.6% at 16k,
+    +0.9% at batch 8 x 32k (bench/results/model/ab-early-residual-tp2-h200x2.txt).
     """
 
     def __init__(self, group, bufs: PushBuffers, dtype: torch.dtype, keepalive: object = None,
                  push_gemv: bool = False, num_warps: int | None = None,
-                 early: bool | None = None) -> None:
+                 early: bool = True) -> None:
         super().__init__(group)
         self.bufs, self.dtype, self.keepalive = bufs, dtype, keepalive
         self.num_warps = num_warps  # the push kernel's (None: its rule)
-        self.early = bufs.peers.numel() >= EARLY_FROM_RANKS if early is None else early
+        self.early = early
         self.device = bufs.buf.device
         self.push_gemv = push_gemv
         self.name = "push_gemv" if push_gemv else "push"
@@ -93,7 +89,7 @@ class PushAllReduce(NcclAllReduce):
     @classmethod
     def symmetric(cls, group, device: torch.device, dtype: torch.dtype, dim: int,
                   push_gemv: bool = False, num_warps: int | None = None,
-                  early: bool | None = None) -> "PushAllReduce":
+                  early: bool = True) -> "PushAllReduce":
         """Buffers for messages of up to MAX_ROWS x dim elements in torch symmetric memory,
         mapped between the GPUs of `group` (one host). Collective over the group."""
         import torch.distributed._symmetric_memory as symm_mem
