@@ -4,7 +4,7 @@ At batch 1 a linear layer is a pure stream of its weights, so the ceiling is the
 bandwidth. Each program owns BLOCK_N rows of W and walks K in BLOCK_K steps, multiplying in
 fp32 into a [BLOCK_N, BLOCK_K] register tile that is summed once at the end (no per-step
 reductions); wide K steps (1-2K elements of 4 rows per load) keep enough bytes in flight per
-program to cover HBM latency, and the first three steps' weights load before the PDL wait.
+program to cover HBM latency, and the first two steps' weights load before the PDL wait.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def _gemv_kernel(X, W, Y, BIAS, N, K, stride_wn, BUF, PEERS, FLAGS, rank, slot,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                  GATED: tl.constexpr, HAS_BIAS: tl.constexpr, PUSH: tl.constexpr,
                  WORLD: tl.constexpr, IDT: tl.constexpr, MARK: tl.constexpr,
-                 USE_PDL: tl.constexpr, PRE: tl.constexpr):
+                 USE_PDL: tl.constexpr, TWO_TILES: tl.constexpr):
     # GATED: W stacks gate rows [0, N/2) over up rows [N/2, N) and Y gets silu(gate) * up
     # [N/2]. Each program then takes BLOCK_N/2 outputs, interleaving their gate and up rows.
     if GATED:
@@ -51,22 +51,18 @@ def _gemv_kernel(X, W, Y, BIAS, N, K, stride_wn, BUF, PEERS, FLAGS, rank, slot,
         rows = tl.minimum(offs_n, N - 1)
     rows = rows.to(tl.int64) * stride_wn
     offs_k = tl.arange(0, BLOCK_K)
-    # No kernel writes the weights: the first PRE (1-3) tiles' loads are issued before the PDL
-    # wait, so they overlap the previous kernel's tail (a whole sum of tensor parallelism, with
-    # its wait for the peers: 48 MB in flight from a wave of programs at tp=2's shapes); x comes
-    # from that kernel and is read after.
+    # No kernel writes the weights: the first two tiles' loads are issued before the PDL wait,
+    # so they overlap the previous kernel's tail (a whole sum of tensor parallelism, with its
+    # wait for the peers: 32 MB in flight from a wave of programs at tp=2's shapes); x comes from
+    # that kernel and is read after.
     w = _load_w(W, rows, offs_k, K, EVEN_K)
-    if PRE >= 2:
+    if TWO_TILES:
         w2 = _load_w(W, rows, BLOCK_K + offs_k, K, EVEN_K)
-    if PRE >= 3:
-        w3 = _load_w(W, rows, 2 * BLOCK_K + offs_k, K, EVEN_K)
     pdl_wait(USE_PDL)
     acc = w.to(tl.float32) * _load_x(X, offs_k, K, EVEN_K)[None, :]
-    if PRE >= 2:
+    if TWO_TILES:
         acc += w2.to(tl.float32) * _load_x(X, BLOCK_K + offs_k, K, EVEN_K)[None, :]
-    if PRE >= 3:
-        acc += w3.to(tl.float32) * _load_x(X, 2 * BLOCK_K + offs_k, K, EVEN_K)[None, :]
-    for k0 in range(PRE * BLOCK_K, K, BLOCK_K):
+    for k0 in range((1 + TWO_TILES) * BLOCK_K, K, BLOCK_K):
         ks = k0 + offs_k
         acc += _load_w(W, rows, ks, K, EVEN_K).to(tl.float32) * _load_x(X, ks, K, EVEN_K)[None, :]
     y = tl.sum(acc, axis=1)
@@ -139,15 +135,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int] | N
         rank, slot, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=K % block_k == 0, GATED=gated,
         HAS_BIAS=bias is not None, PUSH=push is not None,
         **push_constexprs(x.dtype, peers.numel() if push else 0),
-        num_warps=warps, PRE=min(3, cdiv(K, block_k)), **pdl_launch(x.device))
+        num_warps=warps, TWO_TILES=K > block_k, **pdl_launch(x.device))
     return out
-
-
-@triton.jit
-def _load_xt(X, offs_m, ks, M, K, stride_xm):
-    # x^T [BLOCK_K, BLOCK_M]: rows past M and columns past K read as 0.
-    return tl.load(X + offs_m[None, :] * stride_xm + ks[:, None],
-                   mask=(offs_m < M)[None, :] & (ks < K)[:, None], other=0.0)
 
 
 @triton.jit
@@ -165,16 +154,18 @@ def _skinny_kernel(X, W, Y, BIAS, M, N, K, stride_xm, stride_wn, stride_ym,
     rows = tl.minimum(offs_n, N - 1).to(tl.int64) * stride_wn
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
-    # The first weight tile loads before the PDL wait (no kernel writes the weights), as in the
-    # GEMV; x, from the previous kernel, after it.
-    w = _load_w(W, rows, offs_k, K, EVEN_K)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     pdl_wait(USE_PDL)
-    acc = tl.dot(w, _load_xt(X, offs_m, offs_k, M, K, stride_xm), tl.zeros([BLOCK_N, BLOCK_M],
-                                                                           dtype=tl.float32))
-    for k0 in range(BLOCK_K, K, BLOCK_K):
+    for k0 in range(0, K, BLOCK_K):
         ks = k0 + offs_k
-        acc = tl.dot(_load_w(W, rows, ks, K, EVEN_K), _load_xt(X, offs_m, ks, M, K, stride_xm),
-                     acc)
+        if EVEN_K:
+            w = tl.load(W + rows[:, None] + ks[None, :], eviction_policy="evict_first")
+        else:
+            w = tl.load(W + rows[:, None] + ks[None, :], mask=(ks < K)[None, :], other=0.0,
+                        eviction_policy="evict_first")
+        xt = tl.load(X + offs_m[None, :] * stride_xm + ks[:, None],
+                     mask=(offs_m < M)[None, :] & (ks < K)[:, None], other=0.0)
+        acc = tl.dot(w, xt, acc)
     if HAS_BIAS:
         acc += tl.load(BIAS + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[:, None]
     y = acc.to(Y.dtype.element_ty)

@@ -253,11 +253,10 @@ def test_rms_norm_with_residual_add(dtype, device):
 
 @pytest.mark.gpu
 @pytest.mark.interpreter
-@pytest.mark.parametrize("N,K", [(37, 100), (130, 700), (64, 1536), (37, 2500)])
+@pytest.mark.parametrize("N,K", [(37, 100), (130, 700), (64, 1536)])
 def test_linear_one_row_gemv(N, K, device):
     """The batch-1 GEMV against float64, within 2x torch's error in the same dtype (odd N and K:
-    masked rows and a K tail; one, two and three weight tiles loaded before the PDL wait, the
-    third with the tail)."""
+    masked rows and a K tail)."""
     w = torch.randn(N, K, device=device).to(torch.float16)
     x = torch.randn(1, 1, K, device=device).to(torch.float16)
     want = x.double() @ w.double().T
