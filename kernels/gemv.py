@@ -85,20 +85,26 @@ def _gemv_kernel(X, W, Y, BIAS, N, K, stride_wn, BUF, PEERS, FLAGS, rank, slot,
             push_message(BUF, PEERS, rnd, y, offs_n, offs_n < N, rank, slot, WORLD, IDT, MARK)
 
 
-def gemv_config(K: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps): 4 rows per program, and 2048-wide K steps with 8 warps
-    when K is a multiple of 2048 with at least 4 steps, else 1024-wide steps with 4 warps.
+def gemv_config(N: int, K: int) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps) for weight [N, K]: 4 rows per program, and 2048-wide K steps
+    with 8 warps when K is a multiple of 2048 with at least 4 steps and N >= 4096 (at least 1024
+    programs), else 1024-wide steps with 4 warps.
 
     From `bench/gemv.py --tp 1|2 --configs ...` on an H200 (CodeLlama-34B shapes, GEMVs chained
     in a CUDA graph with PDL): 4 x 2048 x 8 reaches 96-101% of the streaming-read
     bandwidth on every 8192-wide weight (q, qkv, o, gate/up, lm_head at tp=1; 90-99% at tp=2)
     and 4 x 1024 x 4 93-97% on the 4096-, 11008- and 22016-wide ones (o and down at tp=2, down
     at tp=1), where 2048-wide steps leave too few steps or a masked tail (91-92%). The previous
-    rule (512-wide steps, 4-16 rows for >= 12 programs per SM) reached 82-98%.
+    rule (512-wide steps, 4-16 rows for >= 12 programs per SM) reached 82-98%. With fewer rows
+    (tp=4's qkv, [2560, 8192]: 640 programs) 1024-wide steps are faster in the model: one tp=4
+    rank's work as a one-GPU model read 203.1-203.2 tok/s at 16k against 201.0 with 2048-wide
+    steps (+1.1%; 2 x 2048 x 8 and 2 x 1024 x 4 the same as 4 x 1024 x 4;
+    `bench/results/model/gemv-rules-tp4-shard-h200.txt`). At tp=2's qkv ([5120, 8192]) other
+    configs tie with 2048-wide steps (`bench/results/model/gemv-rules-tp2-16k-h200.txt`).
     """
     if K < 1024:
         return 4, next_power_of_2(K), 4
-    if K % 2048 == 0 and K >= 4 * 2048:
+    if K % 2048 == 0 and K >= 4 * 2048 and N >= 4096:
         return 4, 2048, 8
     return 4, 1024, 4
 
@@ -128,7 +134,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int] | N
                          f"most {push.slot} outputs, got {N} (gated={gated}, "
                          f"bias={'given' if bias is not None else None})")
     out = torch.empty(*x.shape[:-1], N // 2 if gated else N, dtype=x.dtype, device=x.device)
-    block_n, block_k, warps = config or gemv_config(K)
+    block_n, block_k, warps = config or gemv_config(N, K)
     buf, peers, flags, rank, slot = push if push is not None else (x1, x1, x1, 0, 0)
     _gemv_kernel[(cdiv(N, block_n),)](
         x1, weight, out, x1 if bias is None else bias, N, K, weight.stride(0), buf, peers, flags,
@@ -183,7 +189,8 @@ SKINNY_MAX_ROWS = 16
 
 def skinny_config(N: int, K: int) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) of `skinny_gemm`: 64-row weight tiles 256 wide,
-    4 loads in flight; 128 wide where the outputs are very many (N > 32768: tp=1's gate_up).
+    4 loads in flight; 128 wide where the outputs are very many (N > 32768: tp=1's gate_up);
+    32 rows where they are few (N < 4096: tp=4's qkv, 80 programs instead of 40).
 
     In the model (CodeLlama-34B, tp=2, batch 8 x 32k, 2x H200,
     `bench/results/model/skinny-rule-tp2-b8-h200.txt`) 256-wide steps read 531-533 tokens/s
@@ -195,9 +202,14 @@ def skinny_config(N: int, K: int) -> tuple[int, int, int, int]:
     gate_up (97% -> 96%). Such a chain of one GEMM with PDL reads tp=2's qkv slower with them
     (66% against 76%; 84% without PDL), which the model does not show (a guess: the next GEMM's
     waiting programs, 160 KB of shared memory each, crowd the running ones; in a model other
-    kernels come between). Only 8 rows were timed with this rule; it serves 2-16.
+    kernels come between). One tp=4 rank's work as a one-GPU model at batch 8 x 32k
+    (`bench/results/model/gemv-rules-tp4-shard-h200.txt`): qkv ([2560, 8192]) at 32 x 256 reads
+    986.4-987.2 tokens/s against 984.2-984.3 (+0.25%); every weight at 32 x 256, 978.0-978.1.
+    Only 8 rows were timed with this rule; it serves 2-16.
     """
-    return (64, 128, 4, 4) if N > 32768 else (64, 256, 4, 4)
+    if N > 32768:
+        return 64, 128, 4, 4
+    return (32 if N < 4096 else 64), 256, 4, 4
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

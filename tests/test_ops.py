@@ -270,6 +270,25 @@ def test_linear_one_row_gemv(N, K, device):
 
 @pytest.mark.gpu
 @pytest.mark.interpreter
+@pytest.mark.parametrize("K", [8192, 5000])
+@pytest.mark.parametrize("config", [(4, 2048, 8), (4, 1024, 4), (2, 1024, 4)])
+def test_gemv_configs(K, config, device):
+    """Each GEMV launch config the rule picks or a sweep tries (2048-wide steps take N >= 4096
+    in the rule: passed here for a small N) against float64, within 2x torch's error, with K a
+    multiple of the step and with a masked tail."""
+    from longctx.kernels.gemv import gemv
+
+    w = torch.randn(37, K, device=device).to(torch.float16)
+    x = torch.randn(1, K, device=device).to(torch.float16)
+    want = x.double() @ w.double().T
+    got = gemv(x, w, config=config)
+    plain = torch.nn.functional.linear(x.float(), w.float()).half()
+    err, err_plain = (got.double() - want).abs().max(), (plain.double() - want).abs().max()
+    assert err <= 2 * err_plain + 1e-6, (err, err_plain)
+
+
+@pytest.mark.gpu
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("N,K", [(37, 100), (130, 2048)])
 def test_linear_one_row_gemv_with_bias(N, K, dtype, device):
@@ -296,12 +315,13 @@ def test_linear_one_row_gemv_with_bias(N, K, dtype, device):
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("M,N,K,bias", [(2, 37, 100, False), (8, 130, 256, True),
                                         (16, 64, 200, False), (5, 33, 1536, True)])
-@pytest.mark.parametrize("config", [None, (64, 128, 4, 4)], ids=["rule", "128-wide"])
+@pytest.mark.parametrize("config", [None, (64, 128, 4, 4), (64, 256, 4, 4)],
+                         ids=["rule", "128-wide", "64-row"])
 def test_skinny_gemm(M, N, K, bias, config, dtype, device):
     """The decode projections at batch 2-16 (kernels/gemv.py skinny_gemm) against float64,
     within 2x torch's error in the same dtype (odd N and K: masked rows, a K tail; M < 16:
-    padded rows), with the rule's config for these shapes and the one it takes past 32768
-    outputs."""
+    padded rows), with the rule's config for these shapes (32-row tiles) and the ones it takes
+    for more outputs."""
     from longctx.kernels.gemv import skinny_gemm
 
     w = torch.randn(N, K, device=device).to(dtype)
