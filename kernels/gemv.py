@@ -98,9 +98,10 @@ def gemv_config(N: int, K: int) -> tuple[int, int, int]:
     rule (512-wide steps, 4-16 rows for >= 12 programs per SM) reached 82-98%. With fewer rows
     (tp=4's qkv, [2560, 8192]: 640 programs) 1024-wide steps are faster in the model: one tp=4
     rank's work as a one-GPU model read 203.1-203.2 tok/s at 16k against 201.0 with 2048-wide
-    steps (+1.1%; 2 x 2048 x 8 and 2 x 1024 x 4 the same as 4 x 1024 x 4;
-    `bench/results/model/gemv-rules-tp4-shard-h200.txt`). At tp=2's qkv ([5120, 8192]) other
-    configs tie with 2048-wide steps (`bench/results/model/gemv-rules-tp2-16k-h200.txt`).
+    steps (+1.1%; 2 x 2048 x 8 and 2 x 1024 x 4 the same as 4 x 1024 x 4), tp=4 itself on 4x
+    H200 187.6 against 187.0 (+0.3%) (`bench/results/model/gemv-rules-tp4-shard-h200.txt`). At
+    tp=2's qkv ([5120, 8192]) other configs tie with 2048-wide steps
+    (`bench/results/model/gemv-rules-tp2-16k-h200.txt`).
     """
     if K < 1024:
         return 4, next_power_of_2(K), 4
@@ -205,6 +206,7 @@ def skinny_config(N: int, K: int) -> tuple[int, int, int, int]:
     kernels come between). One tp=4 rank's work as a one-GPU model at batch 8 x 32k
     (`bench/results/model/gemv-rules-tp4-shard-h200.txt`): qkv ([2560, 8192]) at 32 x 256 reads
     986.4-987.2 tokens/s against 984.2-984.3 (+0.25%); every weight at 32 x 256, 978.0-978.1.
+    At tp=4 itself (4x H200, one round) 924.8 against 923.6 (+0.1%).
     Only 8 rows were timed with this rule; it serves 2-16.
     """
     if N > 32768:
