@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # A/B of launch/decode.py between an older revision's code and this tree's, on one machine: the
 # two arms alternate ROUNDS times (each run installs its tree's longctx, editable), then a table
-# gives each arm's decode tokens/s and the change.
+# gives each run's decode tokens/s and % of the limit, each arm's mean, the change, and the read
+# bandwidth the runs measured.
 #   bash bench/ab.sh REV [ROUNDS] -- DECODE_ARGS...
 #   NGPU=2 bash bench/ab.sh 517f6b8 2 -- +model=codellama34b parallel.tp=2 context_len=16384 \
 #       gen_len=64 prefill=synthetic
@@ -60,14 +61,23 @@ out, rev = sys.argv[1:]
 runs = {"old": [], "new": []}
 for path in sorted(glob.glob(os.path.join(out, "summary-*.json"))):
     arm = os.path.basename(path).split("-")[1]
-    runs[arm].append(json.load(open(path))["decode_tokens_per_s"])
-print(f"{'arm':<24} {'decode tokens/s, each run':<40} mean")
+    runs[arm].append(json.load(open(path)))
+# Each run's tokens/s and its % of the bandwidth limit (the model's bytes at the read bandwidth
+# that run measured): a table that outlives the run's summaries says which machine it was.
+print(f"{'arm':<24} {'decode tokens/s (% of the limit), each run':<48} mean")
 for arm, name in (("old", rev), ("new", "this tree")):
-    vals = runs[arm]
+    vals = [s["decode_tokens_per_s"] for s in runs[arm]]
+    each = ", ".join(f"{s['decode_tokens_per_s']:.1f} ({s['pct_of_bandwidth_limit']:.1f}%)"
+                     for s in runs[arm])
     mean = statistics.mean(vals) if vals else float("nan")
-    print(f"{name:<24} {', '.join(f'{v:.1f}' for v in vals):<40} {mean:.1f}")
+    print(f"{name:<24} {each:<48} {mean:.1f}")
 if runs["old"] and runs["new"]:
-    change = statistics.mean(runs["new"]) / statistics.mean(runs["old"]) - 1
+    change = (statistics.mean(s["decode_tokens_per_s"] for s in runs["new"])
+              / statistics.mean(s["decode_tokens_per_s"] for s in runs["old"]) - 1)
     print(f"change: {100 * change:+.1f}%")
+bw = [s["read_bandwidth_Bps_per_device"] / 1e12 for a in ("old", "new") for s in runs[a]]
+if bw:
+    print(f"read bandwidth per GPU, as measured in the runs: {min(bw):.2f}-{max(bw):.2f} TB/s "
+          f"({runs['new'][0]['device'] if runs['new'] else runs['old'][0]['device']})")
 EOF
 exit $status
