@@ -65,16 +65,14 @@ for path in sorted(glob.glob(os.path.join(out, "summary-*.json"))):
 # Each run's tokens/s and its % of the bandwidth limit (the model's bytes at the read bandwidth
 # that run measured): a table that outlives the run's summaries says which machine it was.
 print(f"{'arm':<24} {'decode tokens/s (% of the limit), each run':<48} mean")
+mean = {arm: statistics.mean(s["decode_tokens_per_s"] for s in runs[arm]) if runs[arm]
+        else float("nan") for arm in runs}
 for arm, name in (("old", rev), ("new", "this tree")):
-    vals = [s["decode_tokens_per_s"] for s in runs[arm]]
     each = ", ".join(f"{s['decode_tokens_per_s']:.1f} ({s['pct_of_bandwidth_limit']:.1f}%)"
                      for s in runs[arm])
-    mean = statistics.mean(vals) if vals else float("nan")
-    print(f"{name:<24} {each:<48} {mean:.1f}")
+    print(f"{name:<24} {each:<48} {mean[arm]:.1f}")
 if runs["old"] and runs["new"]:
-    change = (statistics.mean(s["decode_tokens_per_s"] for s in runs["new"])
-              / statistics.mean(s["decode_tokens_per_s"] for s in runs["old"]) - 1)
-    print(f"change: {100 * change:+.1f}%")
+    print(f"change: {100 * (mean['new'] / mean['old'] - 1):+.1f}%")
 bw = [s["read_bandwidth_Bps_per_device"] / 1e12 for a in ("old", "new") for s in runs[a]]
 if bw:
     print(f"read bandwidth per GPU, as measured in the runs: {min(bw):.2f}-{max(bw):.2f} TB/s "
