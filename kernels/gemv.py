@@ -86,9 +86,10 @@ def _gemv_kernel(X, W, Y, BIAS, N, K, stride_wn, BUF, PEERS, FLAGS, rank, slot,
 
 
 def gemv_config(N: int, K: int) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps) for weight [N, K]: 4 rows per program, and 2048-wide K steps
+    """(BLOCK_N, BLOCK_K, num_warps) for weight [N, K]: 4 rows per program; 2048-wide K steps
     with 8 warps when K is a multiple of 2048 with at least 4 steps and N >= 4096 (at least 1024
-    programs), else 1024-wide steps with 4 warps.
+    programs), or when K is 2048 (one step); 512-wide steps with 2 warps when K is below 8192
+    and not a multiple of 1024; else 1024-wide steps with 4 warps.
 
     From `bench/gemv.py --tp 1|2 --configs ...` on an H200 (CodeLlama-34B shapes, GEMVs chained
     in a CUDA graph with PDL): 4 x 2048 x 8 reaches 96-101% of the streaming-read
@@ -101,12 +102,21 @@ def gemv_config(N: int, K: int) -> tuple[int, int, int]:
     steps (+1.1%; 2 x 2048 x 8 and 2 x 1024 x 4 the same as 4 x 1024 x 4), tp=4 itself on 4x
     H200 187.6 against 187.0 (+0.3%) (`bench/results/model/gemv-rules-tp4-shard-h200.txt`). At
     tp=2's qkv ([5120, 8192]) other configs tie with 2048-wide steps
-    (`bench/results/model/gemv-rules-tp2-16k-h200.txt`).
+    (`bench/results/model/gemv-rules-tp2-16k-h200.txt`). The short K of tp=4's o ([8192, 2048])
+    and down ([8192, 5504]) were chosen in the tp=4 model on 4x H200, two rounds
+    (`bench/results/model/gemv-rules-tp4-o-down-h200x4.txt`): 187.7-188.2 tok/s at 16k with the
+    1024-wide rule, 189.6-189.8 with down at 4 x 512 x 2, 190.6-190.7 with o at 4 x 2048 x 8 as
+    well (+1.5%); down at 4 x 512 x 4, 2 x 512 x 2 or 8 x 512 x 4 and o at 8 x 1024 x 4 lose.
+    The longer K keep 1024-wide steps: 512-wide ones lose 2.4% at tp=2 ([8192, 11008]) and
+    1.2% on one GPU ([8192, 22016]), and tp=2's o ([8192, 4096]) in two 2048-wide steps ties
+    (-0.1%). Other models' shapes take the rule untested.
     """
     if K < 1024:
         return 4, next_power_of_2(K), 4
-    if K % 2048 == 0 and K >= 4 * 2048 and N >= 4096:
+    if K == 2048 or (K % 2048 == 0 and K >= 4 * 2048 and N >= 4096):
         return 4, 2048, 8
+    if K < 8192 and K % 1024:
+        return 4, 512, 2
     return 4, 1024, 4
 
 

@@ -268,10 +268,22 @@ def test_linear_one_row_gemv(N, K, device):
     assert err <= 2 * err_plain + 1e-6, (err, err_plain)
 
 
+GEMV_CONFIGS = [(4, 2048, 8), (4, 1024, 4), (2, 1024, 4), (4, 512, 2)]
+
+
+def test_gemv_rule_picks_tested_configs():
+    """For K from 1024 up (multiples of 8, as head_dim and the presets' sizes are), the rule
+    picks only configs that test_gemv_configs checks."""
+    from longctx.kernels.gemv import gemv_config
+
+    picked = {gemv_config(N, K) for N in (640, 4096, 32000) for K in range(1024, 65537, 8)}
+    assert picked <= set(GEMV_CONFIGS), picked - set(GEMV_CONFIGS)
+
+
 @pytest.mark.gpu
 @pytest.mark.interpreter
-@pytest.mark.parametrize("K", [8192, 5000])
-@pytest.mark.parametrize("config", [(4, 2048, 8), (4, 1024, 4), (2, 1024, 4)])
+@pytest.mark.parametrize("K", [8192, 5000, 2048])
+@pytest.mark.parametrize("config", GEMV_CONFIGS)
 def test_gemv_configs(K, config, device):
     """Each GEMV launch config the rule picks or a sweep tries (2048-wide steps take N >= 4096
     in the rule: passed here for a small N) against float64, within 2x torch's error, with K a
