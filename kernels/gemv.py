@@ -3,8 +3,9 @@
 At batch 1 a linear layer is a pure stream of its weights, so the ceiling is the HBM read
 bandwidth. Each program owns BLOCK_N rows of W and walks K in BLOCK_K steps, multiplying in
 fp32 into a [BLOCK_N, BLOCK_K] register tile that is summed once at the end (no per-step
-reductions); wide K steps (1-2K elements of 4 rows per load) keep enough bytes in flight per
-program to cover HBM latency, and the first two steps' weights load before the PDL wait.
+reductions); wide K steps (512-2048 elements of 4 rows per load; `gemv_config`) keep enough
+bytes in flight per program to cover HBM latency, and the first two steps' weights load before
+the PDL wait.
 """
 
 from __future__ import annotations
