@@ -285,9 +285,9 @@ def test_gemv_rule_picks_tested_configs():
 @pytest.mark.parametrize("K", [8192, 5000, 2048])
 @pytest.mark.parametrize("config", GEMV_CONFIGS)
 def test_gemv_configs(K, config, device):
-    """Each GEMV launch config the rule picks or a sweep tries (2048-wide steps take N >= 4096
-    in the rule: passed here for a small N) against float64, within 2x torch's error, with K a
-    multiple of the step and with a masked tail."""
+    """Each GEMV launch config the rule picks or a sweep tries (passed here for a small N)
+    against float64, within 2x torch's error: K a multiple of the step, K with a masked tail,
+    and K = 2048 (one 2048-wide step: no second tile before the PDL wait)."""
     from longctx.kernels.gemv import gemv
 
     w = torch.randn(37, K, device=device).to(torch.float16)
