@@ -79,9 +79,13 @@ def apply_overrides(tables: dict[str, dict[tuple[int, int] | None, tuple[int, ..
 
 def main() -> None:
     argv = sys.argv[1:]
-    if "--" not in argv:
+    if "--" in argv:
+        cut = argv.index("--")
+    elif not any(a.startswith(("--gemv", "--skinny")) for a in argv):
+        # No overrides (the rule's own arm): torchrun drops a "--" right after the script.
+        argv, cut = ["--", *argv], 0
+    else:
         raise SystemExit("usage: bench/model_rules.py [--gemv ...] [--skinny ...] -- DECODE_ARGS...")
-    cut = argv.index("--")
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--gemv", nargs="*", default=[], help="[NxK=]BLOCK_N,BLOCK_K,WARPS")
     p.add_argument("--skinny", nargs="*", default=[], help="[NxK=]BLOCK_N,BLOCK_K,WARPS,STAGES")

@@ -89,8 +89,8 @@ def _gemv_kernel(X, W, Y, BIAS, N, K, stride_wn, BUF, PEERS, FLAGS, rank, slot,
 def gemv_config(N: int, K: int) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps) for weight [N, K]: 4 rows per program; 2048-wide K steps
     with 8 warps when K is a multiple of 2048 with at least 4 steps and N >= 4096 (at least 1024
-    programs), or when K is 2048 (one step); 512-wide steps with 2 warps when K is below 8192
-    and not a multiple of 1024; else 1024-wide steps with 4 warps.
+    programs), or when K is 2048 (one step); 512-wide steps with 2 warps when K is below 8192,
+    not a multiple of 1024, and N >= 1.25 K (many short rows); else 1024-wide steps with 4 warps.
 
     From `bench/gemv.py --tp 1|2 --configs ...` on an H200 (CodeLlama-34B shapes, GEMVs chained
     in a CUDA graph with PDL): 4 x 2048 x 8 reaches 96-101% of the streaming-read
@@ -110,13 +110,19 @@ def gemv_config(N: int, K: int) -> tuple[int, int, int]:
     well (+1.5%); down at 4 x 512 x 4, 2 x 512 x 2 or 8 x 512 x 4 and o at 8 x 1024 x 4 lose.
     The longer K keep 1024-wide steps: 512-wide ones lose 2.4% at tp=2 ([8192, 11008]) and
     1.2% on one GPU ([8192, 22016]), and tp=2's o ([8192, 4096]) in two 2048-wide steps ties
-    (-0.1%). Other models' shapes take the rule untested.
+    (-0.1%). The 512-wide steps' bound on N / K is from other models' short-K weights, each in
+    its tp model on 4x H200 against 1024-wide steps, two rounds
+    (`bench/results/model/gemv-rules-other-models-h200x4.txt`): they win where N >= 1.49 K
+    (CodeLlama's down at tp=4 above; Qwen2.5-32B's o at tp=2 and 4, +0.5% / +1.3%; a
+    Qwen2.5-7B shape's o at tp=2, +2.3%) and lose or tie where N <= 1.14 K (Qwen2.5-32B's down at tp=4 [5120, 6912], -0.9%;
+    Llama-3.1-8B's at tp=4 [4096, 3584], -1.3%; a Qwen2.5-72B shape's at tp=4 [8192, 7392],
+    0.0%). Where N / K lies between (1.14-1.49) nothing was measured.
     """
     if K < 1024:
         return 4, next_power_of_2(K), 4
     if K == 2048 or (K % 2048 == 0 and K >= 4 * 2048 and N >= 4096):
         return 4, 2048, 8
-    if K < 8192 and K % 1024:
+    if K < 8192 and K % 1024 and 4 * N >= 5 * K:
         return 4, 512, 2
     return 4, 1024, 4
 
