@@ -151,13 +151,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, int, int] | N
         raise ValueError(f"gemv with push takes a plain projection (no gated, no bias) of at "
                          f"most {push.slot} outputs, got {N} (gated={gated}, "
                          f"bias={'given' if bias is not None else None})")
-    block_n, block_k, warps = config or gemv_config(N, K)
-    if push is None and bias is None and config is None and block_n == 4:
-        from longctx.kernels.gemv_ring import gemv_ring, ring_applies
-
-        if ring_applies(x1, weight, block_k):  # PROTOTYPE
-            return gemv_ring(x, weight, block_k, warps, gated=gated)
     out = torch.empty(*x.shape[:-1], N // 2 if gated else N, dtype=x.dtype, device=x.device)
+    block_n, block_k, warps = config or gemv_config(N, K)
     buf, peers, flags, rank, slot = push if push is not None else (x1, x1, x1, 0, 0)
     _gemv_kernel[(cdiv(N, block_n),)](
         x1, weight, out, x1 if bias is None else bias, N, K, weight.stride(0), buf, peers, flags,
