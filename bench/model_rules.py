@@ -77,25 +77,29 @@ def apply_overrides(tables: dict[str, dict[tuple[int, int] | None, tuple[int, ..
         setattr(mod, KINDS[kind][0], wrapped)
 
 
-def main() -> None:
-    argv = sys.argv[1:]
+def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(this script's options, launch/decode.py's arguments), split at the first "--". Without
+    one and without options (the rule's own arm) every argument is decode.py's: torchrun drops a
+    "--" that comes right after the script."""
     if "--" in argv:
         cut = argv.index("--")
-    elif not any(a.startswith(("--gemv", "--skinny")) for a in argv):
-        # No overrides (the rule's own arm): torchrun drops a "--" right after the script.
-        argv, cut = ["--", *argv], 0
-    else:
-        raise SystemExit("usage: bench/model_rules.py [--gemv ...] [--skinny ...] -- DECODE_ARGS...")
+        return argv[:cut], argv[cut + 1:]
+    if not any(a.startswith(("--gemv", "--skinny")) for a in argv):
+        return [], argv
+    raise SystemExit("usage: bench/model_rules.py [--gemv ...] [--skinny ...] -- DECODE_ARGS...")
+
+
+def main() -> None:
+    opts, rest = split_argv(sys.argv[1:])
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--gemv", nargs="*", default=[], help="[NxK=]BLOCK_N,BLOCK_K,WARPS")
     p.add_argument("--skinny", nargs="*", default=[], help="[NxK=]BLOCK_N,BLOCK_K,WARPS,STAGES")
-    a = p.parse_args(argv[:cut])
+    a = p.parse_args(opts)
     tables = {kind: parse_entries(getattr(a, kind), KINDS[kind][1], f"--{kind}")
               for kind in KINDS}
     apply_overrides(tables)
     record = {kind: {"x".join(map(str, k)) if k else "*": list(v) for k, v in t.items()}
               for kind, t in tables.items() if t}
-    rest = argv[cut + 1:]
     output = Path(next((x.split("=", 1)[1] for x in rest if x.startswith("output=")),
                        "outputs/decode"))
     if os.environ.get("RANK", "0") == "0":

@@ -179,6 +179,11 @@ def test_model_rules_override_the_projection_configs(tmp_path: Path,
     for bad in ("4,64", "5120=4,64,4", "axb=4,64,4"):
         with pytest.raises(SystemExit, match=f"--gemv: '{bad}' is not"):
             model_rules.parse_entries([bad], 3, "--gemv")
+    # torchrun drops a "--" right after the script: without options all goes to decode.py.
+    assert model_rules.split_argv(["a=1", "b=2"]) == ([], ["a=1", "b=2"])
+    assert model_rules.split_argv(["--gemv", "--", "a=1"]) == (["--gemv"], ["a=1"])
+    with pytest.raises(SystemExit, match="usage"):
+        model_rules.split_argv(["--gemv", "4,64,4", "a=1"])
 
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "model_rules.py"), "--gemv",
                         "4,64,4", "--", "gen_len=2", f"output={tmp_path / 'runs'}"],
