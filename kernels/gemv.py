@@ -114,9 +114,10 @@ def gemv_config(N: int, K: int) -> tuple[int, int, int]:
     its tp model on 4x H200 against 1024-wide steps, two rounds
     (`bench/results/model/gemv-rules-other-models-h200x4.txt`): they win where N >= 1.49 K
     (CodeLlama's down at tp=4 above; Qwen2.5-32B's o at tp=2 and 4, +0.5% / +1.3%; a
-    Qwen2.5-7B shape's o at tp=2, +2.3%) and lose or tie where N <= 1.14 K (Qwen2.5-32B's down at tp=4 [5120, 6912], -0.9%;
-    Llama-3.1-8B's at tp=4 [4096, 3584], -1.3%; a Qwen2.5-72B shape's at tp=4 [8192, 7392],
-    0.0%). Where N / K lies between (1.14-1.49) nothing was measured.
+    Qwen2.5-7B shape's o at tp=2, +2.3%) and lose or tie where N <= 1.14 K (Qwen2.5-32B's down
+    at tp=4 [5120, 6912], -0.9%; Llama-3.1-8B's at tp=4 [4096, 3584], -1.3%; a Qwen2.5-72B
+    shape's at tp=4 [8192, 7392], 0.0%). Where N / K lies between (1.14-1.49) nothing was
+    measured.
     """
     if K < 1024:
         return 4, next_power_of_2(K), 4

@@ -282,7 +282,7 @@ def test_gemv_rule_picks_tested_configs():
 
 @pytest.mark.parametrize("shape, config", [
     ((8192, 2048), (4, 2048, 8)), ((4096, 2048), (4, 2048, 8)),  # o: CodeLlama tp=4, Llama-8B tp=2
-    ((8192, 5504), (4, 512, 2)), ((5120, 1280), (4, 512, 2)),  # CodeLlama down tp=4, Qwen-32B o tp=4
+    ((8192, 5504), (4, 512, 2)), ((5120, 1280), (4, 512, 2)),  # CodeLlama down, Qwen-32B o: tp=4
     ((5120, 2560), (4, 512, 2)), ((3584, 1792), (4, 512, 2)),  # o: Qwen-32B tp=2, Qwen-7B tp=2
     ((5120, 6912), (4, 1024, 4)), ((4096, 3584), (4, 1024, 4)),  # down: Qwen-32B, Llama-8B tp=4
     ((8192, 11008), (4, 1024, 4)), ((8192, 22016), (4, 1024, 4)),  # CodeLlama down tp=2, tp=1
