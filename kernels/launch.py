@@ -21,9 +21,9 @@ Not covered, so the generic path runs instead (`fast_launch_active()` is False):
 interpreter, a registered launch hook (`triton.knobs.runtime.launch_enter_hook` /
 `launch_exit_hook`, e.g. a profiler) or pre-run hook, `LONGCTX_FAST_LAUNCH=0` in the
 environment or inside `fast_launch(False)` (A/B timing, tests), and a Triton whose internals
-differ from the ones used here (Triton 3.6's; `launch_internals_differ`, checked once, logged in
-one line; Triton 3.9 has one shared C launcher instead of one per kernel). Triton's `debug` and instrumentation
-knobs are read when a spec_code's binary is fetched, not per call.
+differ from the ones used here (Triton 3.6's per-kernel C launcher or Triton 3.9's shared one;
+`launch_internals_differ`, checked once, logged in one line). Triton's `debug` and
+instrumentation knobs are read when a spec_code's binary is fetched, not per call.
 """
 
 from __future__ import annotations
@@ -70,23 +70,47 @@ def _hook_set(hook: object) -> bool:
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
+# Triton 3.6: one C launcher generated per kernel (`make_launcher`), its arguments spread.
+_CALL_36 = ["self", "gridX", "gridY", "gridZ", "stream", "function", "args"]
+# Triton 3.9: one C launcher for every kernel (`CudaUtils.launch`), told how to read the
+# arguments (their annotations and C signature, made per kernel) and given them as one tuple.
+_CALL_39 = ["self", "gridX", "gridY", "gridZ", "stream", "function", "kernel_metadata",
+            "launch_metadata", "launch_enter_hook", "launch_exit_hook", "args"]
+_LAUNCH_39 = ("self.launch(gridX,gridY,gridZ,stream,function,self.launch_cooperative_grid,"
+              "self.launch_pdl,kernel_metadata,launch_metadata,launch_enter_hook,launch_exit_hook,"
+              "global_scratch,profile_scratch,self.arg_annotations,self.kernel_signature,"
+              "kernel_args)")
+
+
 def launch_internals_differ() -> str | None:
-    """None where this Triton has the internals the fast path calls (Triton 3.6's), else what
-    differs. They are: `JITFunction.run(..., warmup=True)` returning the compiled kernel; the
-    CUDA launcher's C `launch` generated per kernel (`make_launcher`) and taking grid, stream,
-    function, flags, scratch, metadata, hooks and the kernel's arguments spread, as
-    `CudaLauncher.__call__(gridX, gridY, gridZ, stream, function, *args)` passes them; the
-    launch hooks in `knobs.runtime`."""
+    """None where this Triton has the internals the fast path calls, else what differs. They
+    are: `JITFunction.run(..., warmup=True)` returning the compiled kernel; the launch hooks in
+    `knobs.runtime`; and the CUDA launcher of one of two forms, the call `_direct_runner` makes
+    in its place:
+    - Triton 3.6: a C `launch` generated per kernel (`make_launcher`) taking grid, stream,
+      function, flags, scratch, metadata, hooks and the kernel's arguments spread, as
+      `CudaLauncher.__call__(gridX, gridY, gridZ, stream, function, *args)` passes them;
+    - Triton 3.9: one C `launch` taking grid, stream, function, flags, metadata, hooks, scratch,
+      the argument annotations and signature, and the kernel's arguments as a tuple, exactly as
+      `CudaLauncher.__call__` (whose source is compared) calls it."""
     from triton.runtime.jit import JITFunction
 
     try:
         from triton.backends.nvidia import driver
     except ImportError as e:
         return f"no NVIDIA driver module ({e})"
-    if not hasattr(driver, "make_launcher"):
-        return "no per-kernel C launcher (triton.backends.nvidia.driver.make_launcher)"
     call = list(inspect.signature(driver.CudaLauncher.__call__).parameters)
-    if call != ["self", "gridX", "gridY", "gridZ", "stream", "function", "args"]:
+    if call == _CALL_36:
+        if not hasattr(driver, "make_launcher"):
+            return "no per-kernel C launcher (triton.backends.nvidia.driver.make_launcher)"
+    elif call == _CALL_39:
+        try:
+            source = "".join(inspect.getsource(driver.CudaLauncher.__call__).split())
+        except (OSError, TypeError) as e:
+            return f"CudaLauncher.__call__'s source is not readable ({e})"
+        if _LAUNCH_39 not in source:
+            return "CudaLauncher.__call__ calls its C launcher with other arguments"
+    else:
         return f"CudaLauncher.__call__ takes {call}"
     if "warmup" not in inspect.signature(JITFunction.run).parameters:
         return "JITFunction.run takes no warmup"
@@ -259,10 +283,11 @@ def spec_code(dyn: Sequence, dyn_dtypes: Sequence[torch.dtype | None]) -> int:
 
 
 def _direct_runner(ck, grid: tuple[int, int, int]) -> Callable[[int, tuple], None]:
-    """launch(stream, args) for compiled kernel `ck`: straight into the C launcher Triton built
-    for it where that is the CUDA launcher, else through the launcher object as Triton calls it.
-    A kernel that needs global scratch (TMA descriptors made on the device) gets the same bytes
-    Triton's launcher would ask its allocator for, from the launch stream's `stream_scratch`."""
+    """launch(stream, args) for compiled kernel `ck`: straight into the C launcher Triton calls
+    for it where that is the CUDA launcher (either form of `launch_internals_differ`), else
+    through the launcher object as Triton calls it. A kernel that needs global scratch (TMA
+    descriptors made on the device) gets the same bytes Triton's launcher would ask its allocator
+    for, from the launch stream's `stream_scratch`."""
     launcher = ck.run  # first access loads the module into the current device's context
     g0, g1, g2 = grid
     try:
@@ -270,23 +295,32 @@ def _direct_runner(ck, grid: tuple[int, int, int]) -> Callable[[int, tuple], Non
     except ImportError:  # another backend: its launcher object, called as Triton calls it
         CudaLauncher = None
     if (CudaLauncher is not None and type(launcher) is CudaLauncher
-            and not launcher.profile_scratch_size):
+            and not launcher.profile_scratch_size and not getattr(launcher, "gsan_enabled", 0)):
         c_launch = launcher.launch
-        # The C launcher's leading arguments: grid, stream, function, cooperative-grid and PDL
-        # flags, the two scratch buffers, packed metadata, launch metadata, enter/exit hooks.
-        head = (ck.function, launcher.launch_cooperative_grid, launcher.launch_pdl)
-        tail = (None, ck.packed_metadata, None, None, None)
-        if launcher.global_scratch_size:
-            nbytes = g0 * g1 * g2 * launcher.num_ctas * launcher.global_scratch_size
+        flags = (ck.function, launcher.launch_cooperative_grid, launcher.launch_pdl)
+        # packed metadata, launch metadata, enter / exit hooks
+        meta = (ck.packed_metadata, None, None, None)
+        nbytes = g0 * g1 * g2 * launcher.num_ctas * launcher.global_scratch_size
+        if hasattr(launcher, "kernel_signature"):  # Triton 3.9: arguments as one tuple
+            sig = (launcher.arg_annotations, launcher.kernel_signature)
+            if nbytes:
+                def run(stream: int, args: tuple) -> None:
+                    scratch = stream_scratch(nbytes, torch._C._cuda_getDevice(), "tma", stream)
+                    c_launch(g0, g1, g2, stream, *flags, *meta, scratch, None, *sig, args)
+            else:
+                head = flags + meta + (None, None) + sig
 
+                def run(stream: int, args: tuple) -> None:
+                    c_launch(g0, g1, g2, stream, *head, args)
+        elif nbytes:  # Triton 3.6: scratch buffers before the metadata, arguments spread
             def run(stream: int, args: tuple) -> None:
                 scratch = stream_scratch(nbytes, torch._C._cuda_getDevice(), "tma", stream)
-                c_launch(g0, g1, g2, stream, *head, scratch, *tail, *args)
+                c_launch(g0, g1, g2, stream, *flags, scratch, None, *meta, *args)
         else:
-            mid = head + (None,) + tail
+            head = flags + (None, None) + meta
 
             def run(stream: int, args: tuple) -> None:
-                c_launch(g0, g1, g2, stream, *mid, *args)
+                c_launch(g0, g1, g2, stream, *head, *args)
     else:
         mid = (ck.function, ck.packed_metadata, None, None, None)
 

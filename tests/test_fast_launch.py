@@ -408,14 +408,51 @@ def test_launch_internals_are_checked_once_and_a_difference_logged_once(monkeypa
 
 
 def test_launch_internals_of_the_installed_triton():
-    """Triton 3.6's internals are the fast path's; Triton 3.9 replaced the per-kernel C launcher,
-    so there the fast path steps aside (and says why)."""
-    version = tuple(int(x) for x in triton.__version__.split(".")[:2])
-    why = L.launch_internals_differ()
-    if version == (3, 6):
-        assert why is None
-    elif version >= (3, 9):
-        assert why is not None and "make_launcher" in why
+    """The fast path knows both launcher forms: Triton 3.6's per-kernel C launcher and Triton
+    3.9's shared one (CI runs this on each)."""
+    assert L.launch_internals_differ() is None
+
+
+@pytest.mark.parametrize("scratch", [0, 96])
+def test_direct_runner_calls_the_c_launcher_as_triton_does(monkeypatch, scratch):
+    """The direct runner hands the installed Triton's C launcher the same arguments that
+    Triton's own `CudaLauncher.__call__` hands it for the same launch, with and without global
+    scratch (on CPU: a launcher object with a recording `launch` and no CUDA behind it)."""
+    import inspect
+
+    from triton.backends.nvidia.driver import CudaLauncher
+    from triton.runtime import _allocation
+    from triton.runtime import driver as triton_driver
+
+    calls = []
+    launcher = object.__new__(CudaLauncher)
+    launcher.launch = lambda *a: calls.append(a)
+    launcher.launch_cooperative_grid, launcher.launch_pdl, launcher.num_ctas = False, True, 2
+    launcher.global_scratch_size, launcher.global_scratch_align = scratch, 128
+    launcher.profile_scratch_size, launcher.profile_scratch_align = 0, 1
+    if list(inspect.signature(CudaLauncher.__call__).parameters) == L._CALL_39:
+        launcher.arg_annotations, launcher.kernel_signature = ["annotations"], b"\x01\x02"
+        launcher.gsan_enabled = False
+        monkeypatch.setattr(triton_driver, "_active", object())  # read, unused: no CUDA here
+    buffer = object()
+    sizes = []
+
+    class Allocator:  # Triton's scratch allocator, as `triton.set_allocator` installs one
+        @staticmethod
+        def get():
+            return lambda size, align, stream: sizes.append(size) or buffer
+
+    monkeypatch.setattr(_allocation, "_allocator", Allocator)
+    monkeypatch.setattr(L, "stream_scratch",
+                        lambda n, device, slot, stream: sizes.append(n) or buffer)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    ck = type("Compiled", (), {"run": launcher, "function": 1234, "packed_metadata": (4, 2, 0)})
+    args = (0x7F0000001000, 17, None, 3.5)
+    L._direct_runner(ck, (3, 2, 1))(77, args)
+    CudaLauncher.__call__(launcher, 3, 2, 1, 77, 1234, (4, 2, 0), None, None, None, *args)
+    ours, tritons = calls
+    assert ours == tritons
+    assert sizes == ([3 * 2 * 2 * scratch] * 2 if scratch else [])
 
 
 def test_stream_counters_reuse_growth_and_capture(monkeypatch):

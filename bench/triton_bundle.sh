@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Another Triton on an offline GPU machine whose image has its own (the GPU image: Triton 3.6):
+# `make` packs a Triton wheel small enough to carry (~57 MB for 3.9.0, from a 286 MB wheel), `use`
+# unpacks it there and puts it ahead of the installed one for this shell.
+#   bash bench/triton_bundle.sh make 3.9.0 DIR [PYTHON_VERSION]   # where pip reaches PyPI
+#   source bench/triton_bundle.sh use DIR                          # on the GPU machine
+#   python3 -m pytest -q -n 16 tests/                              # then as usual
+# The bundle: libtriton.so stripped of symbols (500 -> 192 MB) and the rest of the package, each
+# xz-compressed; left out: the AMD backend, CUPTI and the proton profiler (tests do not use them)
+# and the legacy ptxas (CUDA 12.x, sm < 90 only; Triton 3.9 compiles sm_90 with its newer one,
+# `ptxas-blackwell`). `use` points TRITON_PTXAS_PATH at the machine's CUDA ptxas for the sm_80
+# compiles of tests/test_compile_targets.py, and sets TRITON_BACKENDS_IN_TREE=1 (the wheel's
+# entry points name the AMD backend). torch stays the image's.
+case ${1:-} in
+  make)
+    set -euo pipefail
+    version=${2:?version}; dir=${3:?directory}; py=${4:-3.12}
+    tmp=$(mktemp -d)
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$py" \
+      --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+      --platform manylinux_2_17_x86_64 "triton==$version" -d "$tmp"
+    (cd "$tmp" && unzip -q triton-*.whl && rm triton-*.whl)
+    t=$tmp/triton
+    rm -rf "$t"/backends/amd "$t"/backends/nvidia/lib/cupti* "$t"/_C/libproton.so "$t"/profiler \
+      "$t"/instrumentation
+    if [ -e "$t"/backends/nvidia/bin/ptxas-blackwell ]; then rm -f "$t"/backends/nvidia/bin/ptxas; fi
+    strip --strip-unneeded "$t"/_C/libtriton.so
+    mkdir -p "$dir"
+    xz -T0 -9 -c "$t"/_C/libtriton.so > "$dir/triton-$version-lib.xz"
+    rm "$t"/_C/libtriton.so
+    (cd "$tmp" && tar cf - triton triton-*.dist-info) | xz -T0 -9 > "$dir/triton-$version-rest.tar.xz"
+    rm -rf "$tmp"
+    ls -l "$dir"/triton-"$version"-*
+    ;;
+  use)
+    dir=${2:?directory}
+    rest=$(ls "$dir"/triton-*-rest.tar.xz | tail -n 1)
+    version=$(basename "$rest" -rest.tar.xz)
+    site=/tmp/$version
+    if [ ! -e "$site/triton/_C/libtriton.so" ]; then
+      mkdir -p "$site" && tar -xJf "$rest" -C "$site" &&
+        xz -dc "$dir/$version-lib.xz" > "$site/triton/_C/libtriton.so" ||
+        { echo "triton_bundle.sh: cannot unpack $rest" >&2; return 1 2>/dev/null || exit 1; }
+    fi
+    export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
+    export TRITON_BACKENDS_IN_TREE=1
+    TRITON_PTXAS_PATH=$(command -v ptxas || ls /usr/local/cuda*/bin/ptxas 2>/dev/null | head -n 1)
+    export TRITON_PTXAS_PATH
+    python3 -c "import triton; print('triton', triton.__version__, 'from', triton.__file__)"
+    ;;
+  *)
+    echo "usage: bash bench/triton_bundle.sh make VERSION DIR [PYTHON_VERSION]" \
+      "| source bench/triton_bundle.sh use DIR" >&2
+    return 2 2>/dev/null || exit 2
+    ;;
+esac
