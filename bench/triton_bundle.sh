@@ -23,12 +23,14 @@ case ${1:-} in
     t=$tmp/triton
     rm -rf "$t"/backends/amd "$t"/backends/nvidia/lib/cupti* "$t"/_C/libproton.so "$t"/profiler \
       "$t"/instrumentation
-    if [ -e "$t"/backends/nvidia/bin/ptxas-blackwell ]; then rm -f "$t"/backends/nvidia/bin/ptxas; fi
+    bin=$t/backends/nvidia/bin
+    if [ -e "$bin"/ptxas-blackwell ]; then rm -f "$bin"/ptxas; fi
     strip --strip-unneeded "$t"/_C/libtriton.so
     mkdir -p "$dir"
     xz -T0 -9 -c "$t"/_C/libtriton.so > "$dir/triton-$version-lib.xz"
     rm "$t"/_C/libtriton.so
-    (cd "$tmp" && tar cf - triton triton-*.dist-info) | xz -T0 -9 > "$dir/triton-$version-rest.tar.xz"
+    (cd "$tmp" && tar cf - triton triton-*.dist-info) |
+      xz -T0 -9 > "$dir/triton-$version-rest.tar.xz"
     rm -rf "$tmp"
     ls -l "$dir"/triton-"$version"-*
     ;;
