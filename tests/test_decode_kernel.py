@@ -305,7 +305,7 @@ def test_split_head_tiles_follow_the_line(D, dtype, swapped_at):
     for offset in range(0, 128, 16):
         x = at_line_offset(torch.zeros(8, dtype=dtype), offset)
         out = torch.full((2,), -1, dtype=torch.int32, device=DEVICE)
-        _tile_starts_kernel[(1,)](x, out, block_d, d_hi)
+        _tile_starts_kernel[(1,)](x, out, block_d, d_hi, **kernel_utils.FP_FUSION)
         want = [d_hi, 0] if offset == swapped_at else [0, block_d]
         assert out.tolist() == want, (offset, out.tolist())
 

@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from longctx.kernels.utils import FP_FUSION
 from longctx.merge import merge_into
 
 pytestmark = pytest.mark.gpu
@@ -43,7 +44,7 @@ def test_merge_into_is_deterministic_beside_another_stream():
             if hog:
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
-                    _spin[(16,)](big, ITERS=20000, num_warps=4)
+                    _spin[(16,)](big, ITERS=20000, num_warps=4, **FP_FUSION)
             merge_into(o_acc, lse_acc, o[p], lse[p], check=False)
         torch.cuda.synchronize()
         return o_acc, lse_acc

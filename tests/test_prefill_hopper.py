@@ -34,6 +34,7 @@ from longctx.kernels.prefill_tiles import (
     _softmax_step,
     _softmax_step_masked,
 )
+from longctx.kernels.utils import FP_FUSION
 from longctx.reference import reference_attention
 from tests.env import DEVICE
 from tests.test_prefill import check, rand, ref_seq
@@ -325,7 +326,7 @@ def tile_walk(q, k, v, causal: bool, q_start: int, k_start: int, block_m: int, b
     lse = torch.full((sq_pad,), float("nan"))
     _tile_walk_kernel[(sq_pad // block_m,)](qp, kp, vp, o, lse, sq, sk, q_start, k_start,
                                            d ** -0.5 * 1.4426950408889634, D=d, BLOCK_M=block_m,
-                                           BLOCK_N=block_n, CAUSAL=causal)
+                                           BLOCK_N=block_n, CAUSAL=causal, **FP_FUSION)
     return o[:sq], lse[:sq]
 
 
@@ -386,7 +387,8 @@ def _tile_bounds_kernel(OUT, m0, seqlen_q, seqlen_k, delta, CAUSAL: tl.constexpr
 
 def tile_bounds(m0, sq, sk, delta, causal, bm, bn) -> tuple[int, int]:
     out = torch.zeros(2, dtype=torch.int32, device=DEVICE)
-    _tile_bounds_kernel[(1,)](out, m0, sq, sk, delta, CAUSAL=causal, BLOCK_M=bm, BLOCK_N=bn)
+    _tile_bounds_kernel[(1,)](out, m0, sq, sk, delta, CAUSAL=causal, BLOCK_M=bm, BLOCK_N=bn,
+                              **FP_FUSION)
     return int(out[0]), int(out[1])
 
 
