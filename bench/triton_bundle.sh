@@ -1,16 +1,20 @@
 #!/usr/bin/env bash
 # Another Triton on an offline GPU machine whose image has its own (the GPU image: Triton 3.6):
-# `make` packs a Triton wheel small enough to carry (~57 MB for 3.9.0, from a 286 MB wheel), `use`
+# `make` packs a Triton wheel small enough to carry (from a 286 MB wheel for 3.9.0), `use`
 # unpacks it there and puts it ahead of the installed one for this shell.
 #   bash bench/triton_bundle.sh make 3.9.0 DIR [PYTHON_VERSION]   # where pip reaches PyPI
 #   source bench/triton_bundle.sh use DIR                          # on the GPU machine
 #   python3 -m pytest -q -n 16 tests/                              # then as usual
-# The bundle: libtriton.so stripped of symbols (500 -> 192 MB) and the rest of the package, each
-# xz-compressed; left out: the AMD backend, CUPTI and the proton profiler (tests do not use them)
-# and the legacy ptxas (CUDA 12.x, sm < 90 only; Triton 3.9 compiles sm_90 with its newer one,
-# `ptxas-blackwell`). `use` points TRITON_PTXAS_PATH at the machine's CUDA ptxas for the sm_80
-# compiles of tests/test_compile_targets.py, and sets TRITON_BACKENDS_IN_TREE=1 (the wheel's
-# entry points name the AMD backend). torch stays the image's.
+# The bundle, each file xz-compressed: libtriton.so stripped of symbols (500 -> 192 MB, 38 MB
+# packed), the rest of the package (6 MB), and, where the wheel has two ptxas (Triton 3.9:
+# `ptxas-blackwell`, CUDA 13.4, compiles sm_90+; `ptxas`, CUDA 12.9, the older targets), each in
+# a file of its own (11 / 8.6 MB). Carry the files a run needs, each by name, within a call's
+# 64 MiB. Left out: the AMD backend, CUPTI, the proton profiler and the plugin test libraries.
+# `use` sets TRITON_BACKENDS_IN_TREE=1 (the wheel's entry points name the AMD backend); without
+# the legacy ptxas it points TRITON_PTXAS_PATH at the machine's CUDA ptxas (the sm_80 compiles of
+# tests/test_compile_targets.py); without ptxas-blackwell it compiles sm_90 with the legacy one
+# (TRITON_PTXAS_BLACKWELL_PATH; BENCHMARKS.md, prefill section: Triton 3.9's round-loop spills).
+# torch stays the image's.
 case ${1:-} in
   make)
     set -euo pipefail
@@ -22,11 +26,16 @@ case ${1:-} in
     (cd "$tmp" && unzip -q triton-*.whl && rm triton-*.whl)
     t=$tmp/triton
     rm -rf "$t"/backends/amd "$t"/backends/nvidia/lib/cupti* "$t"/_C/libproton.so "$t"/profiler \
-      "$t"/instrumentation
-    bin=$t/backends/nvidia/bin
-    if [ -e "$bin"/ptxas-blackwell ]; then rm -f "$bin"/ptxas; fi
-    strip --strip-unneeded "$t"/_C/libtriton.so
+      "$t"/instrumentation "$t"/plugins "$t"/FileCheck
     mkdir -p "$dir"
+    bin=$t/backends/nvidia/bin
+    if [ -e "$bin"/ptxas-blackwell ]; then  # two ptxas: a file each, carried as needed
+      for tool in ptxas ptxas-blackwell; do
+        xz -T0 -9 -c "$bin/$tool" > "$dir/triton-$version-$tool.xz"
+        rm "$bin/$tool"
+      done
+    fi
+    strip --strip-unneeded "$t"/_C/libtriton.so
     xz -T0 -9 -c "$t"/_C/libtriton.so > "$dir/triton-$version-lib.xz"
     rm "$t"/_C/libtriton.so
     (cd "$tmp" && tar cf - triton triton-*.dist-info) |
@@ -44,10 +53,21 @@ case ${1:-} in
         xz -dc "$dir/$version-lib.xz" > "$site/triton/_C/libtriton.so" ||
         { echo "triton_bundle.sh: cannot unpack $rest" >&2; return 1 2>/dev/null || exit 1; }
     fi
-    export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
+    bin=$site/triton/backends/nvidia/bin
+    for tool in ptxas ptxas-blackwell; do
+      if [ ! -e "$bin/$tool" ] && [ -e "$dir/$version-$tool.xz" ]; then
+        xz -dc "$dir/$version-$tool.xz" > "$bin/$tool" && chmod +x "$bin/$tool"
+      fi
+    done
+    export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} TRITON_BUNDLE_SITE=$site
     export TRITON_BACKENDS_IN_TREE=1
-    TRITON_PTXAS_PATH=$(command -v ptxas || ls /usr/local/cuda*/bin/ptxas 2>/dev/null | head -n 1)
-    export TRITON_PTXAS_PATH
+    if [ ! -e "$bin"/ptxas ]; then
+      TRITON_PTXAS_PATH=$(command -v ptxas || ls /usr/local/cuda*/bin/ptxas 2>/dev/null | head -n 1)
+      export TRITON_PTXAS_PATH
+    elif [ ! -e "$bin"/ptxas-blackwell ] && grep -q ptxas_blackwell "$site"/triton/knobs.py; then
+      export TRITON_PTXAS_BLACKWELL_PATH=$bin/ptxas
+      echo "triton_bundle.sh: no ptxas-blackwell carried: sm_90+ compiles with the legacy ptxas"
+    fi
     python3 -c "import triton; print('triton', triton.__version__, 'from', triton.__file__)"
     ;;
   *)
