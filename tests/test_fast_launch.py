@@ -12,6 +12,7 @@ tests/test_fast_launch_gpu.py runs the compiled path.
 
 import ctypes
 import importlib
+import inspect
 
 import pytest
 import torch
@@ -418,8 +419,6 @@ def test_direct_runner_calls_the_c_launcher_as_triton_does(monkeypatch, scratch)
     """The direct runner hands the installed Triton's C launcher the same arguments that
     Triton's own `CudaLauncher.__call__` hands it for the same launch, with and without global
     scratch (on CPU: a launcher object with a recording `launch` and no CUDA behind it)."""
-    import inspect
-
     from triton.backends.nvidia.driver import CudaLauncher
     from triton.runtime import _allocation
     from triton.runtime import driver as triton_driver
