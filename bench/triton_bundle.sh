@@ -10,10 +10,12 @@
 # `ptxas-blackwell`, CUDA 13.4, compiles sm_90+; `ptxas`, CUDA 12.9, the older targets), each in
 # a file of its own (11 / 8.6 MB). Carry the files a run needs, each by name, within a call's
 # 64 MiB. Left out: the AMD backend, CUPTI, the proton profiler and the plugin test libraries.
-# `use` sets TRITON_BACKENDS_IN_TREE=1 (the wheel's entry points name the AMD backend); without
-# the legacy ptxas it points TRITON_PTXAS_PATH at the machine's CUDA ptxas (the sm_80 compiles of
+# `use` sets TRITON_BACKENDS_IN_TREE=1 (the wheel's entry points name the AMD backend) and takes
+# the ptxas files carried this time, whatever an earlier `use` unpacked or exported: without the
+# legacy ptxas it points TRITON_PTXAS_PATH at the machine's CUDA ptxas (the sm_80 compiles of
 # tests/test_compile_targets.py); without ptxas-blackwell it compiles sm_90 with the legacy one
-# (TRITON_PTXAS_BLACKWELL_PATH; BENCHMARKS.md, prefill section: Triton 3.9's round-loop spills).
+# (TRITON_PTXAS_BLACKWELL_PATH; BENCHMARKS.md, "Triton 3.9": Hopper prefill 2-5% faster than
+# with ptxas-blackwell at D=96 / 128 / 192).
 # torch stays the image's.
 case ${1:-} in
   make)
@@ -54,19 +56,32 @@ case ${1:-} in
         { echo "triton_bundle.sh: cannot unpack $rest" >&2; return 1 2>/dev/null || exit 1; }
     fi
     bin=$site/triton/backends/nvidia/bin
-    for tool in ptxas ptxas-blackwell; do
-      if [ ! -e "$bin/$tool" ] && [ -e "$dir/$version-$tool.xz" ]; then
-        xz -dc "$dir/$version-$tool.xz" > "$bin/$tool" && chmod +x "$bin/$tool"
-      fi
-    done
+    if ls "$dir/$version"-ptxas*.xz >/dev/null 2>&1 || [ ! -e "$bin/ptxas" ]; then
+      # A bundle with its ptxas in files of their own: exactly the ones carried this time (an
+      # earlier `use` on this machine may have unpacked another set into the same site).
+      for tool in ptxas ptxas-blackwell; do
+        rm -f "$bin/$tool"
+        if [ -e "$dir/$version-$tool.xz" ]; then
+          xz -dc "$dir/$version-$tool.xz" > "$bin/$tool" && chmod +x "$bin/$tool"
+        fi
+      done
+    fi
     export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} TRITON_BUNDLE_SITE=$site
     export TRITON_BACKENDS_IN_TREE=1
+    unset TRITON_PTXAS_PATH TRITON_PTXAS_BLACKWELL_PATH  # from an earlier `use` in this shell
+    machine=$(command -v ptxas || ls /usr/local/cuda*/bin/ptxas 2>/dev/null | head -n 1)
     if [ ! -e "$bin"/ptxas ]; then
-      TRITON_PTXAS_PATH=$(command -v ptxas || ls /usr/local/cuda*/bin/ptxas 2>/dev/null | head -n 1)
-      export TRITON_PTXAS_PATH
-    elif [ ! -e "$bin"/ptxas-blackwell ] && grep -q ptxas_blackwell "$site"/triton/knobs.py; then
-      export TRITON_PTXAS_BLACKWELL_PATH=$bin/ptxas
-      echo "triton_bundle.sh: no ptxas-blackwell carried: sm_90+ compiles with the legacy ptxas"
+      export TRITON_PTXAS_PATH=$machine
+      echo "triton_bundle.sh: no legacy ptxas carried: the older targets compile with $machine"
+    fi
+    if [ ! -e "$bin"/ptxas-blackwell ] && grep -q ptxas_blackwell "$site"/triton/knobs.py; then
+      if [ -e "$bin"/ptxas ]; then
+        export TRITON_PTXAS_BLACKWELL_PATH=$bin/ptxas
+      else
+        export TRITON_PTXAS_BLACKWELL_PATH=$machine
+      fi
+      echo "triton_bundle.sh: no ptxas-blackwell carried: sm_90+ compiles with" \
+        "$TRITON_PTXAS_BLACKWELL_PATH"
     fi
     python3 -c "import triton; print('triton', triton.__version__, 'from', triton.__file__)"
     ;;

@@ -35,6 +35,7 @@ os.environ.setdefault("HYDRA_FULL_ERROR", "1")  # full tracebacks, never a short
 import hydra  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+import triton  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from longctx.config import ModelArgs, check_chunk, check_decode_config, resolve_dtype  # noqa: E402
@@ -215,7 +216,8 @@ def run(cfg: DictConfig, device: torch.device, rank: int, world: int, run_dir: P
             "device": device_name(device), "world_size": world, "tp": dims.tp, "sp": dims.sp,
             "batch": B, "prompt_len": P, "gen_len": cfg.gen_len, "prefill_chunk": chunk,
             "cuda_graphs": cuda_graphs, "rope_scaling": describe_rope(args.rope_scaling),
-            "qkv_bias": args.qkv_bias, "commit": code_commit(), "torch": torch.__version__}
+            "qkv_bias": args.qkv_bias, "commit": code_commit(), "torch": torch.__version__,
+            "triton": triton.__version__}
     log.info(f"run directory {run_dir}")
     n = info["params"]
     size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"

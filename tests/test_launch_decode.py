@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import triton
 
 from longctx.config import ModelArgs
 from tests.checkpoint_utils import (WORDS, hf_greedy, load_hf_model, save_hf_model,
@@ -58,6 +59,7 @@ def test_default_run_is_the_tiny_model(tmp_path):
     assert s["prefill_tflops_per_gpu"] == pytest.approx(s["prefill_flops"] / s["prefill_s"] / 1e12)
     assert "real, 1 call:" in r.stdout and "first call" in r.stdout
     assert s["largest_context_len"] > 1024
+    assert (s["torch"], s["triton"]) == (torch.__version__, triton.__version__)
     assert f"largest context that fits tp=1 sp=1 on this device: {s['largest_context_len']:,} " \
         "tokens" in r.stdout
 
