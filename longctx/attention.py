@@ -6,10 +6,10 @@ import torch
 
 from longctx.backend import use_triton_for
 from longctx.checks import (
-    check_accumulator, check_attention_inputs, check_flag, check_offset, check_optional_int,
-    check_tensor,
+    check_accumulator, check_attention_inputs, check_flag, check_not_fp8, check_offset,
+    check_optional_int, check_tensor,
 )
-from longctx.merge import merge_into
+from longctx.merge import check_lse, merge_into
 from longctx.reference import reference_attention
 
 
@@ -98,6 +98,15 @@ def attention(
         o shaped like q, in q's dtype; with return_lse also the LSE, float32 natural log,
         shaped like o without head_dim: [B, Sq, Hq] (varlen: [total_q, Hq]), the layout
         `merge_states` / `merge_into` take. Rows that see no key give O = 0 and LSE = -inf.
+
+    Values: every key position of k / v that some query of the call sees must be finite. A NaN
+    or inf there turns into NaN the rows that share its key tile in the kernels, including rows
+    that do not see it (0 x NaN; FlashAttention does the same); the CPU reference keeps it to the
+    rows that see it. Keys no query sees (past each sequence's keys, or beyond the last query
+    under causal) may hold anything on CPU; on CUDA pass k / v only up to the keys the call
+    uses (a cache buffer sliced at its written length). On CUDA, cu_seqlens and max_seqlen are
+    trusted, as FlashAttention trusts them (reading them would cost a host sync): a max_seqlen_q
+    below the longest sequence leaves the rows past it unwritten.
 
     Backend: CUDA tensors run the Triton FlashAttention kernel (longctx.kernels.prefill; on
     Hopper GPUs its Gluon fast path where that applies); CPU tensors the exact torch reference.
@@ -253,11 +262,14 @@ def _check_attention_merge_into(o_acc, lse_acc, q, k, v, causal, softmax_scale, 
                                 k_start) -> None:
     check_tensor("o_acc", o_acc)
     check_tensor("lse_acc", lse_acc)
+    check_not_fp8("attention_merge_into", k, v)
     check_attention_inputs(q, k, v, softmax_scale)
     check_flag("causal", causal)
     check_offset(q_start, "q_start", q.shape[0], q.device)
     check_offset(k_start, "k_start", q.shape[0], q.device)
     check_accumulator(o_acc, lse_acc, q)
+    if not lse_acc.is_cuda:  # as merge_into: values are free to read on CPU, a sync on CUDA
+        check_lse(lse_acc, "lse_acc")
 
 
 def _reference_varlen(q, k, v, cu_q, cu_k, causal, scale, q_start, k_start):

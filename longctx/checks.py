@@ -41,7 +41,8 @@ def check_gqa(hq: int, hkv: int, k_name: str = "k") -> None:
 
 
 def check_softmax_scale(scale: float | None) -> None:
-    if scale is not None and not (isinstance(scale, (int, float)) and 0 < scale < float("inf")):
+    if scale is not None and (isinstance(scale, bool) or not (
+            isinstance(scale, (int, float)) and 0 < scale < float("inf"))):
         raise ValueError(f"softmax_scale must be a positive finite number or None, got {scale!r}")
 
 
@@ -122,6 +123,25 @@ def check_accumulator(o_acc: torch.Tensor, lse_acc: torch.Tensor, q: torch.Tenso
                          f"device {q.device}")
     if o_acc.stride(-1) != 1:
         raise ValueError(f"o_acc needs unit stride in head_dim, got strides {o_acc.stride()}")
+    check_no_overlap("o_acc", o_acc)
+    check_no_overlap("lse_acc", lse_acc)
+
+
+def check_no_overlap(name: str, t: torch.Tensor) -> None:
+    """`t` is written in place: a dim of stride 0 and size > 1 (an expand()ed view) would have
+    several writers race for one element, so it is refused."""
+    if any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):
+        raise ValueError(f"{name} is written in place, so its elements must not share memory; "
+                         f"got shape {tuple(t.shape)} with strides {t.stride()} (an expand()ed "
+                         f"view?): pass a tensor of its own, e.g. .clone()")
+
+
+def check_not_fp8(fn: str, k: torch.Tensor, v: torch.Tensor) -> None:
+    """`fn` reads k / v in q's dtype: an fp8 cache (with its scales) is for attention / decode."""
+    if FP8 in (getattr(k, "dtype", None), getattr(v, "dtype", None)):
+        raise ValueError(f"{fn} takes k and v in q's dtype, not an fp8 cache (got "
+                         f"{getattr(k, 'dtype', k)!r} / {getattr(v, 'dtype', v)!r}); "
+                         "longctx.attention and longctx.decode read one, with k_scale / v_scale")
 
 
 def check_tensor(name: str, x: object) -> None:

@@ -20,7 +20,8 @@ merging only empty parts gives O = 0, LSE = -inf, never NaN.
     >>> o_all, lse_all = merge_states(o, lse)   # o_all [4, 8, 64], lse_all [4, 8]
 
 On CUDA tensors one Triton kernel (longctx.kernels.merge) does the N-way merge in one launch;
-on CPU the torch implementation below runs. Math is float32 (float64 when the inputs are).
+on CPU, and for float64 states anywhere, the torch implementation below runs. Math is float32
+(float64 when the inputs are).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from longctx.backend import use_triton_for
-from longctx.checks import check_flag, check_tensor
+from longctx.checks import check_flag, check_no_overlap, check_tensor
 
 __all__ = ["merge_states", "merge_into", "merge_states_group", "merge_states_torch", "check_lse"]
 
@@ -88,6 +89,9 @@ def _check_pair(o: torch.Tensor, lse: torch.Tensor, o_name: str, lse_name: str) 
             f"{lse_name} must have the shape of {o_name} without its last (head_dim) dim: "
             f"{o_name} {tuple(o.shape)}, {lse_name} {tuple(lse.shape)}"
         )
+    if o.shape[-1] == 0:
+        raise ValueError(f"{o_name}'s last dim (head_dim) must be at least 1, got shape "
+                         f"{tuple(o.shape)}")
     if not o.is_floating_point():
         raise ValueError(f"{o_name} must be a floating-point tensor, got {o.dtype}")
     if lse.dtype not in (torch.float32, torch.float64):
@@ -134,7 +138,8 @@ def merge_states(
     On CUDA a call with an input signature seen before skips the shape checks and launches the
     kernel directly (longctx.kernels.launch).
     """
-    if use_triton_for(o) and (kl := _kl or _kernels()).fast_launch_active():
+    kernel = use_triton_for(o) and torch.float64 not in (o.dtype, lse.dtype)  # float32 kernel
+    if kernel and (kl := _kl or _kernels()).fast_launch_active():
         dev = kl.current_device()
         try:
             sig = kl.signature
@@ -151,7 +156,7 @@ def merge_states(
         return plan(o, lse, dev)
     _check_states(o, lse)
     _check_values(check, lse, "lse")
-    if use_triton_for(o):
+    if kernel:
         _kernels()
         return _km.merge_states_triton(o, lse)
     o_out, lse_out = merge_states_torch(o, lse)
@@ -181,7 +186,9 @@ def merge_into(
         lse: [..., H] float32 natural-log LSE of the new part.
         check: as in `merge_states` (for lse and lse_acc).
     """
-    if use_triton_for(o) and (kl := _kl or _kernels()).fast_launch_active():
+    kernel = use_triton_for(o) and torch.float64 not in (o_acc.dtype, lse_acc.dtype, o.dtype,
+                                                       lse.dtype)  # a float32 kernel
+    if kernel and (kl := _kl or _kernels()).fast_launch_active():
         dev = kl.current_device()
         try:
             sig = kl.signature
@@ -201,7 +208,7 @@ def merge_into(
     _check_into(o_acc, lse_acc, o, lse)
     _check_values(check, lse, "lse")
     _check_values(check, lse_acc, "lse_acc")
-    if use_triton_for(o):
+    if kernel:
         _kernels()
         _km.merge_into_triton(o_acc, lse_acc, o, lse)
         return
@@ -222,6 +229,8 @@ def _check_into(o_acc: torch.Tensor, lse_acc: torch.Tensor, o: torch.Tensor,
         raise ValueError(f"o {tuple(o.shape)} must match o_acc {tuple(o_acc.shape)}")
     if o.device != o_acc.device:
         raise ValueError(f"o is on {o.device} but o_acc on {o_acc.device}")
+    check_no_overlap("o_acc", o_acc)
+    check_no_overlap("lse_acc", lse_acc)
 
 
 def merge_states_group(
@@ -235,15 +244,17 @@ def merge_states_group(
     Args:
         o: [..., H, D] this rank's partial output (any float dtype).
         lse: [..., H] float32 natural-log LSE of this rank's part.
-        group: the process group (default: the world).
+        group: the process group (default: the world; one rank when none is initialised).
 
     Returns:
         (o [..., H, D] in o's dtype, lse [..., H] float32), identical on every rank.
     """
     import torch.distributed as dist
 
+    from longctx.parallel.process_group import rank_and_world
+
     _check_pair(o, lse, "o", "lse")
-    world = dist.get_world_size(group)
+    world = rank_and_world(group)[1]  # 1 without a process group, as in ring_attention
     if world == 1:
         return o, lse
     # One collective for both tensors, packed per rank as bytes [lse | o], each part padded to

@@ -55,7 +55,8 @@ def reference_attention(
         o [B, Sq, Hq, D] in q's dtype (compute_dtype if that is float64), and
         lse [B, Sq, Hq] (o's shape without head_dim, as everywhere in longctx) natural log,
         float32 (float64 if computed in float64).
-        Rows with no visible key give O = 0 and LSE = -inf.
+        Rows with no visible key give O = 0 and LSE = -inf. Keys that no query sees are never
+        read into o (their values may be anything, NaN included).
     """
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
@@ -80,6 +81,10 @@ def reference_attention(
         kabs = _per_batch(k_start, B, q.device)[:, None] + kpos
         visible &= kabs[:, None, :] <= qabs[:, :, None]
     scores = scores.masked_fill(~visible[:, None], float("-inf"))
+    # A key no query of the call sees (past seqlens_k, or past the last query under causal: a
+    # cache buffer's unwritten tail) must not reach o even if its v is NaN or inf (0 * NaN).
+    vf = torch.where(visible.any(dim=1)[:, None, :, None], vf, torch.zeros((), dtype=dt,
+                                                                           device=vf.device))
 
     lse = torch.logsumexp(scores, dim=-1)  # -inf for rows that see nothing
     lse_safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)

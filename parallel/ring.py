@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from longctx.attention import attention, attention_merge_into
 from longctx.backend import use_triton_for
-from longctx.checks import check_attention_inputs, check_flag
+from longctx.checks import check_attention_inputs, check_flag, check_not_fp8
 from longctx.parallel.process_group import all_gather_ints, global_rank, rank_and_world
 
 __all__ = ["LAYOUTS", "TRANSPORTS", "ring_attention", "release_ring_buffers", "shard_sequence",
@@ -466,6 +466,7 @@ def ring_attention(
         also lse [B, S_local, Hq] float32 (float64 for float64 inputs), natural log. With one
         rank (or no process group initialised) this is `longctx.attention`.
     """
+    check_not_fp8("ring_attention", k, v)  # the ring's in-flight K/V stay in q's dtype
     check_attention_inputs(q, k, v, softmax_scale)
     check_flag("causal", causal)
     check_flag("return_lse", return_lse)

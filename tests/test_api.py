@@ -246,3 +246,84 @@ def test_forcing_the_kernels_onto_cpu_tensors_needs_the_interpreter():
             pass
     with force_triton(False):  # leaving the choice to the device is always allowed
         assert longctx.attention(*_qkv()).shape == (2, 4, 4, 32)
+
+
+def test_keys_no_query_sees_never_reach_the_output():
+    """The CPU path over a cache buffer whose tail was never written (NaN / inf there): causal,
+    the keys past the last query's position are invisible to every row, so the result equals
+    the call on the written part; likewise decode past cache_seqlens (contiguous and paged)."""
+    q, k, v = _qkv(Sq=4, Sk=12)
+    want = longctx.attention(q, k[:, :7], v[:, :7], causal=True, q_start=3, return_lse=True)
+    for junk in (float("nan"), float("inf")):
+        kb, vb = k.clone(), v.clone()
+        kb[:, 7:], vb[:, 7:] = junk, junk
+        got = longctx.attention(q, kb, vb, causal=True, q_start=3, return_lse=True)
+        torch.testing.assert_close(got, want)  # finite, and the sums agree to rounding
+    qd, (_, k, v) = q[:, 0], _qkv(Sk=64)
+    lens = torch.tensor([37, 2], dtype=torch.int32)
+    want = longctx.decode(qd, k, v, cache_seqlens=lens)
+    kb, vb = k.clone(), v.clone()
+    kb[0, 37:], vb[0, 37:], vb[1, 2:] = float("nan"), float("nan"), float("inf")
+    torch.testing.assert_close(longctx.decode(qd, kb, vb, cache_seqlens=lens), want)
+    pages = torch.stack([kb, vb]).reshape(2, 8, 16, 2, 32)  # page size 16: pages 0-3 and 4-7
+    table = torch.arange(8, dtype=torch.int32).reshape(2, 4)
+    torch.testing.assert_close(
+        longctx.decode(qd, pages[0], pages[1], cache_seqlens=lens, block_table=table), want)
+
+
+def test_softmax_scale_is_not_a_flag():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match=r"softmax_scale must be a positive finite number"):
+        longctx.attention(q, k, v, softmax_scale=True)
+
+
+def test_accumulators_must_not_share_memory():
+    """o_acc / lse_acc are written in place: an expand()ed view (every row the same memory) is
+    refused, naming it, by merge_into and attention_merge_into."""
+    q, k, v = _qkv()
+    o, lse = longctx.attention(q, k, v, return_lse=True)
+    shared_o = torch.zeros(1, *o.shape[1:]).expand(o.shape)
+    shared_lse = torch.full((1, *lse.shape[1:]), float("-inf")).expand(lse.shape)
+    for o_acc, lse_acc, name in ((shared_o, lse.clone(), "o_acc"),
+                                 (o.clone(), shared_lse, "lse_acc")):
+        with pytest.raises(ValueError, match=rf"{name} is written in place.*expand"):
+            longctx.merge_into(o_acc, lse_acc, o, lse)
+        with pytest.raises(ValueError, match=rf"{name} is written in place.*expand"):
+            longctx.attention_merge_into(o_acc, lse_acc, q, k, v)
+
+
+def test_attention_merge_into_checks_the_running_lse_as_merge_into_does():
+    q, k, v = _qkv()
+    for bad in (float("nan"), float("inf")):
+        lse_acc = torch.full(q.shape[:-1], float("-inf"))
+        lse_acc[1, 2, 3] = bad
+        with pytest.raises(ValueError, match=r"lse_acc must be finite or -inf"):
+            longctx.attention_merge_into(torch.zeros_like(q), lse_acc, q, k, v)
+
+
+def test_fp8_caches_are_refused_where_no_scales_are_taken():
+    from longctx.fp8 import quantize_kv
+
+    q, k, v = _qkv()
+    (k8, _), (v8, _) = quantize_kv(k), quantize_kv(v)
+    with pytest.raises(ValueError, match=r"attention_merge_into takes k and v in q's dtype, not "
+                                         r"an fp8 cache"):
+        longctx.attention_merge_into(torch.zeros_like(q), torch.zeros(q.shape[:-1]), q, k8, v8)
+    from longctx.parallel import ring_attention
+
+    with pytest.raises(ValueError, match=r"ring_attention takes k and v in q's dtype"):
+        ring_attention(q, k8, v8)
+
+
+def test_merge_states_group_without_a_process_group_is_one_rank():
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    o, lse = torch.randn(2, 4, 8), torch.randn(2, 4)
+    got = longctx.merge_states_group(o, lse)
+    assert got[0] is o and got[1] is lse
+
+
+def test_merge_refuses_an_empty_head_dim():
+    with pytest.raises(ValueError, match=r"o's last dim \(head_dim\) must be at least 1"):
+        longctx.merge_states(torch.zeros(2, 3, 4, 0), torch.zeros(2, 3, 4))

@@ -210,3 +210,29 @@ def test_decode_cuda_graph_replays_with_growing_lengths():
         g.replay()
         o_ref, _ = _ref(q.float().cpu(), k.float().cpu(), v.float().cpu(), seqlens.cpu())
         torch.testing.assert_close(out.cpu().to(F64), o_ref, rtol=0, atol=2e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.interpreter
+@pytest.mark.parametrize("paged", [False, True])
+def test_decode_kernel_never_reads_past_the_lengths(paged, device):
+    """Cache slots past each sequence's length hold NaN / inf (an unwritten torch.empty cache):
+    the kernel's result equals the one over a clean cache, ragged ends and an empty row."""
+    B, S, Hq, Hkv, D = 3, 256, 6, 2, 64
+    seqlens = torch.tensor([131, 0, 200], dtype=torch.int32, device=device)
+    q = torch.randn(B, Hq, D, dtype=torch.float16, device=device)
+    k, v = _cache(B, S, Hkv, D, torch.float16, device)
+    kj, vj = k.clone(), v.clone()
+    for b, L in enumerate(seqlens.tolist()):
+        kj[b, L:], vj[b, L:] = float("nan"), float("inf") if b else float("nan")
+    with force_triton(device == "cpu"):
+        if paged:
+            table = torch.arange(B * S // 16, dtype=torch.int32, device=device).view(B, -1)
+            args = [(x.reshape(-1, 16, Hkv, D), y.reshape(-1, 16, Hkv, D), table)
+                    for x, y in ((k, v), (kj, vj))]
+        else:
+            args = [(k, v, None), (kj, vj, None)]
+        want, got = (longctx.decode(q, x, y, cache_seqlens=seqlens, block_table=t, num_splits=4,
+                                    return_lse=True) for x, y, t in args)
+    assert torch.isfinite(got[0]).all()
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

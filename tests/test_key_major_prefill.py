@@ -101,7 +101,8 @@ def test_api_refuses_key_major_v_it_cannot_read():
                           v_scale=vs)
     # The fused merge (a ring step) takes no fp8 k/v, key-major or not.
     o_acc, lse_acc = torch.zeros_like(q), torch.full(q.shape[:-1], float("-inf"))
-    with pytest.raises(ValueError, match="an fp8 k needs k_scale"):
+    with pytest.raises(ValueError, match="attention_merge_into takes k and v in q's dtype, not an "
+                                         "fp8 cache"):
         longctx.attention_merge_into(o_acc, lse_acc, q, kq, _key_major(vq, 37, "cpu"))
 
 

@@ -191,3 +191,21 @@ def test_merge_matches_closed_form():
     wa = math.exp(a) / (math.exp(a) + math.exp(b))
     assert abs(mlse.item() - math.log(math.exp(a) + math.exp(b))) < 1e-15
     torch.testing.assert_close(mo[0, 0], torch.tensor([wa, 1 - wa], dtype=F64), rtol=0, atol=1e-15)
+
+
+@pytest.mark.gpu
+@pytest.mark.interpreter
+def test_float64_states_merge_in_float64_on_every_backend(device):
+    """The docstring's promise: float64 inputs give float64 math and a float64 LSE, also where
+    the kernels would run (they compute in float32), for merge_states and merge_into."""
+    o = torch.randn(3, 2, 4, 16, dtype=torch.float64, device=device)
+    lse = torch.randn(3, 2, 4, dtype=torch.float64, device=device) * 30
+    want = merge_states_torch(o, lse)
+    with force_triton(device == "cpu"):
+        got = merge_states(o, lse)
+        o_acc, lse_acc = o[0].clone(), lse[0].clone()
+        merge_into(o_acc, lse_acc, o[1], lse[1])
+    assert got[0].dtype == got[1].dtype == torch.float64
+    torch.testing.assert_close(got, want, rtol=1e-14, atol=1e-14)
+    torch.testing.assert_close((o_acc, lse_acc), merge_states_torch(o[:2], lse[:2]),
+                               rtol=1e-14, atol=1e-14)
