@@ -175,6 +175,9 @@ def _check_attention(q, k, v, causal, softmax_scale, q_start, k_start, cu_seqlen
     """`attention`'s input checks; returns the softmax scale."""
     if varlen and (cu_seqlens_q is None or cu_seqlens_k is None):
         raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together (varlen mode)")
+    if not varlen and (max_seqlen_q is not None or max_seqlen_k is not None):
+        raise ValueError("max_seqlen_q / max_seqlen_k are for varlen inputs (with cu_seqlens_q / "
+                         "cu_seqlens_k); a dense call's lengths are q's and k's shapes")
     if varlen and (k_scale is not None or v_scale is not None):
         raise ValueError("k_scale / v_scale (an fp8 k/v) are for dense inputs, not varlen")
     check_attention_inputs(q, k, v, softmax_scale, varlen, k_scale, v_scale)

@@ -277,6 +277,13 @@ def test_softmax_scale_is_not_a_flag():
         longctx.attention(q, k, v, softmax_scale=True)
 
 
+@pytest.mark.parametrize("kw", [{"max_seqlen_q": 3}, {"max_seqlen_k": 5}])
+def test_dense_attention_refuses_varlen_lengths(kw):
+    """max_seqlen_* size a varlen call's grid; a dense call would silently ignore them."""
+    with pytest.raises(ValueError, match=r"max_seqlen_q / max_seqlen_k are for varlen inputs"):
+        longctx.attention(*_qkv(), **kw)
+
+
 def test_accumulators_must_not_share_memory():
     """o_acc / lse_acc are written in place: an expand()ed view (every row the same memory) is
     refused, naming it, by merge_into and attention_merge_into."""
