@@ -247,7 +247,8 @@ def merge_states_group(
         group: the process group (default: the world; one rank when none is initialised).
 
     Returns:
-        (o [..., H, D] in o's dtype, lse [..., H] float32), identical on every rank.
+        (o [..., H, D] in o's dtype, lse [..., H] float32; float64 if lse was), identical on
+        every rank; with one rank, o and lse themselves.
     """
     import torch.distributed as dist
 
@@ -256,6 +257,7 @@ def merge_states_group(
     _check_pair(o, lse, "o", "lse")
     world = rank_and_world(group)[1]  # 1 without a process group, as in ring_attention
     if world == 1:
+        _check_values(None, lse, "lse")  # as merge_states would (CPU: free; CUDA: a sync, skipped)
         return o, lse
     # One collective for both tensors, packed per rank as bytes [lse | o], each part padded to
     # 8 bytes so every view stays aligned: at decode sizes a collective's latency (~10 µs in a

@@ -329,6 +329,9 @@ def test_merge_states_group_without_a_process_group_is_one_rank():
     o, lse = torch.randn(2, 4, 8), torch.randn(2, 4)
     got = longctx.merge_states_group(o, lse)
     assert got[0] is o and got[1] is lse
+    lse[1, 2] = float("nan")  # checked on CPU, as merge_states checks
+    with pytest.raises(ValueError, match=r"lse must be finite or -inf"):
+        longctx.merge_states_group(o, lse)
 
 
 def test_merge_refuses_an_empty_head_dim():
