@@ -56,32 +56,32 @@ case ${1:-} in
         { echo "triton_bundle.sh: cannot unpack $rest" >&2; return 1 2>/dev/null || exit 1; }
     fi
     bin=$site/triton/backends/nvidia/bin
-    if ls "$dir/$version"-ptxas*.xz >/dev/null 2>&1 || [ ! -e "$bin/ptxas" ]; then
-      # A bundle with its ptxas in files of their own: exactly the ones carried this time (an
-      # earlier `use` on this machine may have unpacked another set into the same site).
+    export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} TRITON_BUNDLE_SITE=$site
+    export TRITON_BACKENDS_IN_TREE=1
+    unset TRITON_PTXAS_PATH TRITON_PTXAS_BLACKWELL_PATH  # from an earlier `use` in this shell
+    machine=$(command -v ptxas || ls /usr/local/cuda*/bin/ptxas 2>/dev/null | head -n 1)
+    if grep -q ptxas_blackwell "$site"/triton/knobs.py; then
+      # Two ptxas, each packed in a file of its own (`make`): exactly the ones carried this time
+      # (an earlier `use` on this machine may have unpacked another set into the same site).
       for tool in ptxas ptxas-blackwell; do
         rm -f "$bin/$tool"
         if [ -e "$dir/$version-$tool.xz" ]; then
           xz -dc "$dir/$version-$tool.xz" > "$bin/$tool" && chmod +x "$bin/$tool"
         fi
       done
+      if [ ! -e "$bin"/ptxas-blackwell ]; then
+        if [ -e "$bin"/ptxas ]; then
+          export TRITON_PTXAS_BLACKWELL_PATH=$bin/ptxas
+        else
+          export TRITON_PTXAS_BLACKWELL_PATH=$machine
+        fi
+        echo "triton_bundle.sh: no ptxas-blackwell carried: sm_90+ compiles with" \
+          "$TRITON_PTXAS_BLACKWELL_PATH"
+      fi
     fi
-    export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} TRITON_BUNDLE_SITE=$site
-    export TRITON_BACKENDS_IN_TREE=1
-    unset TRITON_PTXAS_PATH TRITON_PTXAS_BLACKWELL_PATH  # from an earlier `use` in this shell
-    machine=$(command -v ptxas || ls /usr/local/cuda*/bin/ptxas 2>/dev/null | head -n 1)
     if [ ! -e "$bin"/ptxas ]; then
       export TRITON_PTXAS_PATH=$machine
       echo "triton_bundle.sh: no legacy ptxas carried: the older targets compile with $machine"
-    fi
-    if [ ! -e "$bin"/ptxas-blackwell ] && grep -q ptxas_blackwell "$site"/triton/knobs.py; then
-      if [ -e "$bin"/ptxas ]; then
-        export TRITON_PTXAS_BLACKWELL_PATH=$bin/ptxas
-      else
-        export TRITON_PTXAS_BLACKWELL_PATH=$machine
-      fi
-      echo "triton_bundle.sh: no ptxas-blackwell carried: sm_90+ compiles with" \
-        "$TRITON_PTXAS_BLACKWELL_PATH"
     fi
     python3 -c "import triton; print('triton', triton.__version__, 'from', triton.__file__)"
     ;;

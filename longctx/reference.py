@@ -83,8 +83,9 @@ def reference_attention(
     scores = scores.masked_fill(~visible[:, None], float("-inf"))
     # A key no query of the call sees (past seqlens_k, or past the last query under causal: a
     # cache buffer's unwritten tail) must not reach o even if its v is NaN or inf (0 * NaN).
-    vf = torch.where(visible.any(dim=1)[:, None, :, None], vf, torch.zeros((), dtype=dt,
-                                                                           device=vf.device))
+    if causal or seqlens_k is not None:
+        seen = visible.any(dim=1)[:, None, :, None]  # [B, 1, Sk, 1]
+        vf = torch.where(seen, vf, torch.zeros((), dtype=dt, device=vf.device))
 
     lse = torch.logsumexp(scores, dim=-1)  # -inf for rows that see nothing
     lse_safe = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)

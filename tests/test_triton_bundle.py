@@ -71,10 +71,6 @@ def test_use_takes_the_ptxas_carried_this_time(tmp_path):
         # both carried: Triton's own choice, whatever the shell had exported
         got = _use(bundle, env_before="export TRITON_PTXAS_BLACKWELL_PATH=/elsewhere;")
         assert got == {"path": "unset", "blackwell": "unset", "tools": "ptxas ptxas-blackwell"}
-        # then only the legacy ptxas, into the same site: sm_90 compiles with it
-        carry("ptxas")
-        got = _use(bundle)
-        assert got == {"path": "unset", "blackwell": str(legacy), "tools": "ptxas"}
         # only ptxas-blackwell: the older targets take the machine's CUDA ptxas ("" if none)
         machine = subprocess.run(
             ["bash", "-c", "command -v ptxas || ls /usr/local/cuda*/bin/ptxas | head -n 1"],
@@ -82,6 +78,10 @@ def test_use_takes_the_ptxas_carried_this_time(tmp_path):
         carry("ptxas-blackwell")
         got = _use(bundle)
         assert got == {"path": machine, "blackwell": "unset", "tools": "ptxas-blackwell"}
+        # then only the legacy ptxas, into the same site: sm_90 compiles with it
+        carry("ptxas")
+        got = _use(bundle)
+        assert got == {"path": "unset", "blackwell": str(legacy), "tools": "ptxas"}
         # neither: both knobs point at the machine's
         carry()
         assert _use(bundle) == {"path": machine, "blackwell": machine, "tools": ""}
