@@ -697,7 +697,7 @@ class DecodePlan:
                 **splits_rule(D, k_scale is not None, q.device,
                               k_scale is not None and is_key_major(v_cache)))
         self.num_splits, self.return_lse = num_splits, return_lse
-        self.lse_shape = (B, Hq)
+        self.lse_shape = tuple(q.shape[:-1])  # o without head_dim: [B, Hq] or [B, 1, Hq]
         rows = B * Hq
         # Scratch (float32): [o_part | lse_part] with more than one split, then the final LSE
         # when it is not returned. With one split the split kernel writes o and the LSE itself.
@@ -727,7 +727,8 @@ class DecodePlan:
                  cache_seqlens: torch.Tensor | None, block_table: torch.Tensor | None,
                  device: int | None, k_scale: torch.Tensor | None = None,
                  v_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(o shaped like q in q's dtype, lse [B, Hq] float32 or None when not return_lse).
+        """(o shaped like q in q's dtype, lse float32 shaped like o without head_dim ([B, Hq] or
+        [B, 1, Hq]), or None when not return_lse).
         device: the current CUDA device for fast launches, None for Triton's path. k_scale,
         v_scale: an fp8 cache's scales (the plan was made with them)."""
         dev = q.device
@@ -820,8 +821,8 @@ def flash_decode(
     """Flash-Decoding: split kernel, then the merge of the splits (`merge`: "fused" in the
     split kernel, "separate" by the merge layer's kernel, "auto" as `fuse_merge` decides).
 
-    q [B, Hq, D] or [B, 1, Hq, D]. Returns o shaped like q in q's dtype and lse [B, Hq]
-    float32 natural log. With one split the split kernel writes the final output directly
+    q [B, Hq, D] or [B, 1, Hq, D]. Returns o shaped like q in q's dtype and lse float32 natural
+    log shaped like o without head_dim ([B, Hq] or [B, 1, Hq]). With one split the split kernel writes the final output directly
     (no merge). cache_seqlens None: every sequence is full. An fp8 cache takes its scales
     (k_scale, v_scale; see flash_decode_partials).
 

@@ -176,8 +176,10 @@ def decode(
             and applies the scales per key in registers.
 
     Returns:
-        o with q's shape and dtype; with return_lse also lse [B, Hq] float32, natural log.
-        A sequence of length 0 gives o = 0 and lse = -inf.
+        o with q's shape and dtype; with return_lse also lse float32, natural log, shaped like o
+        without head_dim ([B, Hq], or [B, 1, Hq] for a 4-D q), so (o, lse) go to
+        `merge_states` / `merge_into` as they are. A sequence of length 0 gives o = 0 and
+        lse = -inf.
 
     Lengths beyond the capacity and out-of-range page ids raise ValueError for CPU tensors; on
     CUDA (no host sync: CUDA-graph capturable) the kernel writes NaN for such a sequence.
@@ -236,7 +238,7 @@ def decode(
         v_scale = gather_pages(v_scale, block_table) if paged else v_scale
     o, lse = reference_attention(q3[:, None], k, v, softmax_scale=scale, seqlens_k=cache_seqlens,
                                  k_scale=k_scale, v_scale=v_scale)
-    o, lse = o[:, 0], lse[:, 0]
-    if q.dim() == 4:
-        o = o.view(q.shape)
+    # reference_attention's [B, 1, Hq(, D)] is a 4-D q's own shape; a 3-D q drops the 1
+    if q.dim() == 3:
+        o, lse = o[:, 0], lse[:, 0]
     return (o, lse) if return_lse else o

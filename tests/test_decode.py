@@ -123,6 +123,36 @@ def test_decode_fp32_and_4d_query(device):
     torch.testing.assert_close(o[:, 0].to(F64), o_ref, rtol=0, atol=2e-3 if q.is_cuda else 1e-5)
 
 
+@pytest.mark.gpu
+@pytest.mark.interpreter
+@pytest.mark.parametrize("kernel", [True, False])
+def test_decode_states_merge_as_they_are(device, kernel):
+    """(o, lse) of decode over two halves of each cache go to merge_states / merge_into unchanged
+    and give decode over the whole cache, for a [B, Hq, D] and a [B, 1, Hq, D] q (lse shaped
+    like o without head_dim); kernel=False is the CPU reference path."""
+    if not kernel and device != "cpu":
+        pytest.skip("the reference path runs CPU tensors")
+    B, S, Hq, Hkv, D = 2, 96, 6, 2, 32
+    k, v = _cache(B, S, Hkv, D, torch.float32, device)
+    seqlens = torch.tensor([96, 40], dtype=torch.int32, device=device)
+    half = torch.tensor([48, 40], dtype=torch.int32, device=device)  # keys in [0, 48)
+    for q in (torch.randn(B, Hq, D, device=device), torch.randn(B, 1, Hq, D, device=device)):
+        with force_triton(kernel and device == "cpu"):
+            o, lse = longctx.decode(q, k, v, cache_seqlens=seqlens, return_lse=True)
+            o1, l1 = longctx.decode(q, k[:, :48], v[:, :48], cache_seqlens=half, return_lse=True)
+            o2, l2 = longctx.decode(q, k[:, 48:], v[:, 48:], cache_seqlens=seqlens - half,
+                                    return_lse=True)
+        assert o.shape == q.shape and lse.shape == q.shape[:-1] == l1.shape
+        assert torch.isneginf(l2[1]).all()  # the second sequence has no key in the second half
+        om, lm = longctx.merge_states(torch.stack([o1, o2]), torch.stack([l1, l2]))
+        acc_o, acc_l = o1.float().clone(), l1.clone()
+        longctx.merge_into(acc_o, acc_l, o2, l2)
+        tol = dict(rtol=0, atol=2e-3 if q.is_cuda else 1e-5)  # tf32 dots on a GPU
+        for got_o, got_l in ((om, lm), (acc_o, acc_l)):
+            torch.testing.assert_close(got_o.float(), o.float(), **tol)
+            torch.testing.assert_close(got_l, lse, **tol)
+
+
 def test_decode_reference_path_paged_equals_contiguous():
     B, S, Hq, Hkv, D = 2, 64, 4, 2, 32
     q = torch.randn(B, Hq, D)
