@@ -89,7 +89,8 @@ def setup_logging(run_dir: Path, rank: int) -> None:
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+    n = torch.get_num_threads()
+    return f"CPU ({platform.processor() or platform.machine()}, {n} thread{'s' * (n != 1)})"
 
 
 def layout_bytes_per_step(model: Transformer, dims: ParallelDims, batch: int,

@@ -82,7 +82,7 @@ def attention(
             k_start+j <= q_start+i. Sq != Sk is normal (chunked prefill, ring steps).
         softmax_scale: defaults to 1/sqrt(D).
         q_start, k_start: absolute position of the first query / key of each sequence; an int
-            or a [B] int32/int64 tensor.
+            or a [B] int32/int64 tensor. Only q_start - k_start matters (negative values too).
         cu_seqlens_q, cu_seqlens_k: varlen mode: [B + 1] int32 cumulative lengths of the packed
             sequences (both or neither).
         max_seqlen_q, max_seqlen_k: varlen: the longest sequence (sizes the CUDA grid). If

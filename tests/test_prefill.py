@@ -171,6 +171,7 @@ def test_head_dim_not_power_of_two_varlen(d: int) -> None:
         (33, 64, 1000, 500),   # KV chunk entirely in the past: all visible
         (40, 50, 0, 100),      # KV chunk entirely in the future: every row empty
         (129, 65, 17, 81),     # ragged, diagonal crossing tiles
+        (50, 130, -20, -100),  # negative positions: only q_start - k_start matters
     ],
 )
 @pytest.mark.gpu

@@ -554,6 +554,7 @@ def test_device_descriptors_batch_1(sq: int, sk: int, causal: bool) -> None:
     pytest.param(1, 129, 1, 5, 0, "direct", id="one-key"),
     pytest.param(1, 700, 700, 1 << 40, 0, "direct", id="huge-offset"),
     pytest.param(2, 1000, 3000, [2000, 0], [0, 700], "direct", id="tensor-offsets-batch-2"),
+    pytest.param(2, 1000, 3000, [-1000, -7], [-3000, 0], "direct", id="negative-offsets"),
     pytest.param(2, 1024, 1024, [0, 300], [0, 0], "direct", id="tensor-offsets-host-descriptors"),
     pytest.param(1, 4000, 5000, [1000], [0], "api", id="tensor-offsets-api"),
     pytest.param(2, 2500, 2500, 100, 400, "api", id="batch-2-offsets-api"),
