@@ -821,10 +821,10 @@ def flash_decode(
     """Flash-Decoding: split kernel, then the merge of the splits (`merge`: "fused" in the
     split kernel, "separate" by the merge layer's kernel, "auto" as `fuse_merge` decides).
 
-    q [B, Hq, D] or [B, 1, Hq, D]. Returns o shaped like q in q's dtype and lse float32 natural
-    log shaped like o without head_dim ([B, Hq] or [B, 1, Hq]). With one split the split kernel
-    writes the final output directly (no merge). cache_seqlens None: every sequence is full. An fp8 cache takes its scales
-    (k_scale, v_scale; see flash_decode_partials).
+    q [B, Hq, D] or [B, 1, Hq, D]. Returns o shaped like q in q's dtype and lse float32 natural log
+    shaped like o without head_dim ([B, Hq] or [B, 1, Hq]). With one split the split kernel writes
+    the final output directly (no merge). cache_seqlens None: every sequence is full. An fp8 cache
+    takes its scales (k_scale, v_scale; see flash_decode_partials).
 
     Launches through Triton's generic path; longctx.decode caches the DecodePlan per input
     signature and launches directly.
