@@ -132,7 +132,10 @@ def compare_one_device(cfg: DictConfig, device: torch.device, ring: Callable, fl
         else:
             say(f"one device {t_one * 1e3:10.3f} ms/call  {flops / t_one / 1e12:8.3f} TFLOPS "
                 f"(longctx.attention, full sequence, rank 0's device)")
-            say(f"parallel efficiency {100 * t_one / (world * t_ring):.0f}%  (t_1 / (W x t_W))")
+            # CPU ranks are processes sharing one machine's cores and memory
+            note = "" if device.type == "cuda" else "; CPU ranks share the cores: not scaling"
+            eff = 100 * t_one / (world * t_ring)
+            say(f"parallel efficiency {eff:.0f}%  (t_1 / (W x t_W){note})")
             err_o = (o.float() - o_ref.float()).abs().max().item()
             err_lse = (lse.float() - lse_ref.float()).abs().max().item()
             say(f"max |O err| vs one device: {err_o:.2e}   max |LSE err|: {err_lse:.2e}")
