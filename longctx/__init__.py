@@ -1,7 +1,8 @@
 """longctx: long-context attention for LLM inference, built on one exact (O, LSE) merge layer.
 
-Tensor layout is FlashAttention's, [batch, seq, heads, head_dim]; LSE is float32 natural log,
-shaped like its O without head_dim ([batch, seq, heads]; decode [batch, heads]) in every call.
+Tensor layout is FlashAttention's, [batch, seq, heads, head_dim]; LSE is float32 natural log
+(float64 for float64 inputs, CPU), shaped like its O without head_dim ([batch, seq, heads];
+decode [batch, heads]) in every call.
 """
 
 from longctx.attention import attention, attention_merge_into

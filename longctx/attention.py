@@ -95,16 +95,16 @@ def attention(
             key-major (longctx.fp8.key_major_v, as the model's fp8 cache is).
 
     Returns:
-        o shaped like q, in q's dtype; with return_lse also the LSE, float32 natural log,
-        shaped like o without head_dim: [B, Sq, Hq] (varlen: [total_q, Hq]), the layout
-        `merge_states` / `merge_into` take. Rows that see no key give O = 0 and LSE = -inf.
+        o shaped like q, in q's dtype; with return_lse also the LSE, float32 natural log (float64
+        for a float64 q), shaped like o without head_dim: [B, Sq, Hq] (varlen: [total_q, Hq]), the
+        layout `merge_states` / `merge_into` take. Rows that see no key give O = 0 and LSE = -inf.
 
-    Values: every key position of k / v that some query of the call sees must be finite. A NaN
-    or inf there turns into NaN the rows that share its key tile in the kernels, including rows
-    that do not see it (0 x NaN; FlashAttention does the same); the CPU reference keeps it to the
-    rows that see it. Keys no query sees (past each sequence's keys, or beyond the last query
-    under causal) may hold anything on CPU; on CUDA pass k / v only up to the keys the call
-    uses (a cache buffer sliced at its written length). On CUDA, cu_seqlens and max_seqlen are
+    Values: every key position of k / v that some query of the call sees must be finite. A NaN or
+    inf there turns into NaN rows that do not see it too (0 x NaN): in the kernels the rows that
+    share its key tile (FlashAttention does the same), in the CPU reference every row of its
+    sequence that reads its KV head. Keys no query sees (past each sequence's keys, or beyond the
+    last query under causal) may hold anything on CPU; on CUDA pass k / v only up to the keys the
+    call uses (a cache buffer sliced at its written length). On CUDA, cu_seqlens and max_seqlen are
     trusted, as FlashAttention trusts them (reading them would cost a host sync): a max_seqlen_q
     below the longest sequence leaves the rows past it unwritten.
 

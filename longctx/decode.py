@@ -157,10 +157,11 @@ def decode(
         q: [B, Hq, D] or [B, 1, Hq, D], float16/bfloat16/float32 (float64 on CPU); D
             (head_dim) a multiple of 8 in [16, 256].
         k_cache, v_cache: contiguous [B, S_max, Hkv, D], or paged [num_pages, page_size, Hkv, D]
-            with `block_table`; same dtype/device as q; Hq % Hkv == 0. Or an fp8 cache:
-            float8_e4m3fn (both), with k_scale / v_scale; a contiguous fp8 v_cache may be
-            key-major (`longctx.fp8.key_major_v`: keys contiguous, 1.15-1.33x faster on an H200),
-            its slots from each length to the next multiple of 16 finite (zeros unless written).
+            (page_size a power of two >= 16) with `block_table`; same dtype/device as q;
+            Hq % Hkv == 0. Or an fp8 cache: float8_e4m3fn (both), with k_scale / v_scale; a
+            contiguous fp8 v_cache may be key-major (`longctx.fp8.key_major_v`: keys contiguous,
+            1.15-1.33x faster on an H200), its slots from each length to the next multiple of 16
+            finite (zeros unless written).
         cache_seqlens: [B] int32, valid length of each sequence (0 allowed). Default: the full
             capacity (S_max, or max_pages * page_size when paged).
         block_table: [B, max_pages] int32 page ids, in any order; pages may be shared.
@@ -176,7 +177,8 @@ def decode(
             and applies the scales per key in registers.
 
     Returns:
-        o with q's shape and dtype; with return_lse also lse float32, natural log, shaped like o
+        o with q's shape and dtype; with return_lse also lse float32 (float64 for a float64 q),
+        natural log, shaped like o
         without head_dim ([B, Hq], or [B, 1, Hq] for a 4-D q), so (o, lse) go to
         `merge_states` / `merge_into` as they are. A sequence of length 0 gives o = 0 and
         lse = -inf.

@@ -73,6 +73,11 @@ def check_lse(lse: torch.Tensor, name: str = "lse") -> None:
         )
 
 
+def _dtypes(*ts: object) -> tuple:
+    """The tensors' dtypes (None for what is not a tensor: validation names it)."""
+    return tuple(getattr(t, "dtype", None) for t in ts)
+
+
 def _check_values(check: bool | None, lse: torch.Tensor, name: str) -> None:
     """`check_lse` where `check` asks for it: True, or None for a CPU tensor (free to read)."""
     if check is not None:
@@ -138,7 +143,8 @@ def merge_states(
     On CUDA a call with an input signature seen before skips the shape checks and launches the
     kernel directly (longctx.kernels.launch).
     """
-    kernel = use_triton_for(o) and torch.float64 not in (o.dtype, lse.dtype)  # float32 kernel
+    # float32 kernel; getattr: a non-tensor argument reaches the validation's ValueError
+    kernel = use_triton_for(o) and torch.float64 not in _dtypes(o, lse)
     if kernel and (kl := _kl or _kernels()).fast_launch_active():
         dev = kl.current_device()
         try:
@@ -186,8 +192,7 @@ def merge_into(
         lse: [..., H] float32 natural-log LSE of the new part.
         check: as in `merge_states` (for lse and lse_acc).
     """
-    kernel = use_triton_for(o) and torch.float64 not in (o_acc.dtype, lse_acc.dtype, o.dtype,
-                                                       lse.dtype)  # a float32 kernel
+    kernel = use_triton_for(o) and torch.float64 not in _dtypes(o_acc, lse_acc, o, lse)
     if kernel and (kl := _kl or _kernels()).fast_launch_active():
         dev = kl.current_device()
         try:
@@ -256,7 +261,7 @@ def merge_states_group(
 
     _check_pair(o, lse, "o", "lse")
     world = rank_and_world(group)[1]  # 1 without a process group, as in ring_attention
-    if world == 1:
+    if world == 1 or o.numel() == 0:  # nothing to merge (an empty state has no bytes to send)
         _check_values(None, lse, "lse")  # as merge_states would (CPU: free; CUDA: a sync, skipped)
         return o, lse
     # One collective for both tensors, packed per rank as bytes [lse | o], each part padded to
@@ -272,4 +277,6 @@ def merge_states_group(
     gather(recv.view(-1), send, group=group)
     lse_all = recv[:, :sizes[0]].view(lse.dtype).view(world, *lse.shape)  # strided views
     o_all = recv[:, padded[0]:padded[0] + sizes[1]].view(o.dtype).view(world, *o.shape)
-    return merge_states(o_all, lse_all, check=False)
+    # Every rank checks every rank's lse (CPU tensors, as merge_states does), so a bad value
+    # raises on all of them alike
+    return merge_states(o_all, lse_all)

@@ -22,6 +22,7 @@ from rank r-1 (double buffering), so communication overlaps compute.
 from __future__ import annotations
 
 import contextlib
+import zlib
 from dataclasses import dataclass, replace
 
 import torch
@@ -29,14 +30,13 @@ import torch.distributed as dist
 
 from longctx.attention import attention, attention_merge_into
 from longctx.backend import use_triton_for
-from longctx.checks import check_attention_inputs, check_flag, check_not_fp8
+from longctx.checks import check_attention_inputs, check_flag, check_not_fp8, check_tensor
 from longctx.parallel.process_group import all_gather_ints, global_rank, rank_and_world
 
 __all__ = ["LAYOUTS", "TRANSPORTS", "ring_attention", "release_ring_buffers", "shard_sequence",
            "unshard_sequence", "shard_chunks"]
 
 LAYOUTS = ("zigzag", "contiguous")
-_CHECKED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def _check_layout(layout: str) -> None:
@@ -91,9 +91,12 @@ def shard_sequence(
     Returns:
         a new contiguous tensor, x's shape with S/W along `dim`, same dtype and device.
     """
+    dim = _check_dim(x, dim)
     rank, world = rank_and_world(group)
     chunks = shard_chunks(x.shape[dim], world, rank, layout)
-    return torch.cat([x.narrow(dim, start, length) for start, length in chunks], dim=dim)
+    # contiguous: cat keeps an input's memory format (channels_last, say)
+    return torch.cat([x.narrow(dim, start, length) for start, length in chunks],
+                     dim=dim).contiguous()
 
 
 def unshard_sequence(
@@ -110,7 +113,7 @@ def unshard_sequence(
         the full tensor, S along `dim`, identical on every rank; `x` itself with one rank.
     """
     rank, world = rank_and_world(group)
-    dim = dim % x.dim()
+    dim = _check_dim(x, dim)
     _check_local_len(x.shape[dim], world, layout, f"x.shape[{dim}] (the local sequence length)")
     if world == 1:
         return x
@@ -130,7 +133,17 @@ def unshard_sequence(
 
 
 def _dtype_id(dtype: torch.dtype) -> int:
-    return _CHECKED_DTYPES.index(dtype) if dtype in _CHECKED_DTYPES else len(_CHECKED_DTYPES)
+    """A number for every dtype, the same on every rank (for _check_same_across_ranks)."""
+    return zlib.crc32(str(dtype).encode()) & 0x7FFFFFFF
+
+
+def _check_dim(x: torch.Tensor, dim: int) -> int:
+    """x a tensor and dim one of its dims (negative counts from the end) -> dim >= 0."""
+    check_tensor("x", x)
+    if not isinstance(dim, int) or isinstance(dim, bool) or not -x.dim() <= dim < x.dim():
+        raise ValueError(f"dim must be an int in [{-x.dim()}, {x.dim()}) for x of shape "
+                         f"{tuple(x.shape)}, got {dim!r}")
+    return dim % x.dim()
 
 
 def _check_same_across_ranks(

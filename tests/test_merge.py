@@ -182,6 +182,38 @@ def test_merge_states_group_gloo():
     run_distributed(_group_merge_worker, world, o_all, lse_all)
 
 
+def _group_edge_worker(rank, world):
+    # empty states: nothing to send, the empty state back (it used to fail viewing the bytes)
+    o, lse = merge_states_group(torch.zeros(0, 4, 16), torch.zeros(0, 4))
+    assert o.shape == (0, 4, 16) and lse.shape == (0, 4)
+    # +inf in one rank's lse: every rank raises (as merge_states does), none is left waiting
+    lse = torch.zeros(2, 4)
+    if rank == 1:
+        lse[1, 2] = float("inf")
+    with pytest.raises(ValueError, match="lse"):
+        merge_states_group(torch.randn(2, 4, 16), lse)
+
+
+def test_merge_states_group_edges_gloo():
+    run_distributed(_group_edge_worker, 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.interpreter
+def test_non_tensors_raise_value_error_on_the_kernel_path(device):
+    """None where a tensor belongs: the ValueError naming it (not an AttributeError on the way
+    to the kernel), for merge_states and merge_into."""
+    o, lse = torch.randn(2, 3, 4, 16, device=device), torch.randn(2, 3, 4, device=device)
+    acc_o, acc_l = o[0].clone(), lse[0].clone()
+    with force_triton(device == "cpu"):
+        with pytest.raises(ValueError, match="lse must be a torch.Tensor"):
+            merge_states(o, None)
+        with pytest.raises(ValueError, match="lse_acc must be a torch.Tensor"):
+            merge_into(acc_o, None, o[1], lse[1])
+        with pytest.raises(ValueError, match="lse must be a torch.Tensor"):
+            merge_into(acc_o, acc_l, o[1], None)
+
+
 def test_merge_matches_closed_form():
     # Two single-key parts: the merged LSE is log(e^a + e^b), O the softmax-weighted average.
     a, b = 0.3, -1.2

@@ -92,6 +92,26 @@ def _bad_input(rank, world):
         ring_attention(ql, kl, vl, causal=rank == 0)
     with pytest.raises(ValueError, match="inconsistent across ranks"):
         unshard_sequence(ql[:, :n], None, "zigzag")
+    # dtypes the attention never takes still differ (int32 and int64 had the same check id)
+    ints = torch.zeros(1, 4, dtype=torch.int32 if rank == 0 else torch.int64)
+    with pytest.raises(ValueError, match="inconsistent across ranks"):
+        unshard_sequence(ints, None, "contiguous")
+    for bad in (4, -5):  # dim outside x's dims (unshard used to wrap it around)
+        with pytest.raises(ValueError, match=r"dim must be an int in \[-4, 4\)"):
+            shard_sequence(x[:, :-1], None, "zigzag", dim=bad)
+        with pytest.raises(ValueError, match=r"dim must be an int in \[-4, 4\)"):
+            unshard_sequence(ql, None, "zigzag", dim=bad)
+    with pytest.raises(ValueError, match="x must be a torch.Tensor"):
+        shard_sequence(x[:, :-1].tolist(), None, "zigzag")
+
+
+def test_shard_sequence_one_rank_is_contiguous():
+    """The docstring's 'a new contiguous tensor' also for an input in another memory format
+    (one rank, no process group: torch.cat kept channels_last)."""
+    x = torch.randn(1, 8, 2, 16).to(memory_format=torch.channels_last)
+    for layout in LAYOUTS:
+        y = shard_sequence(x, None, layout)
+        assert y.is_contiguous() and torch.equal(y, x) and y.data_ptr() != x.data_ptr()
 
 
 def _matrix(rank, world, group):
