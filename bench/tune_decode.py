@@ -18,10 +18,10 @@ import torch
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch"))
-from bench import graph_ms  # noqa: E402
+from bench import graph_ms, stream_read_ms  # noqa: E402
 
 from longctx.fp8 import quantize_kv  # noqa: E402
-from longctx.kernels.bandwidth import _read_kernel, read_bandwidth  # noqa: E402
+from longctx.kernels.bandwidth import read_bandwidth  # noqa: E402
 from longctx.kernels.decode import (  # noqa: E402
     _launch_config, choose_num_splits, flash_decode_partials, splits_rule,
 )
@@ -62,14 +62,7 @@ def main() -> None:
         floor = 2 * (k.numel() * k.element_size() + 4 * k[..., 0].numel() * args.fp8) / bw * 1e6
         # What a pure stream of the same bytes takes under the same timing (graph replay, cold
         # L2): the floor as a single launch can reach it, launch latency and ramp included.
-        kv = torch.cat([t.reshape(-1).view(torch.uint8) for t in (k, v)]).view(torch.float16)
-        grid = triton.cdiv(kv.numel(), 4096 * 4)
-        part = torch.empty(grid, device="cuda", dtype=torch.float32)
-        t_read = graph_ms(lambda: _read_kernel[(grid,)](kv, part, kv.numel(), BLOCK=4096, ITERS=4,
-                                                        num_warps=8), **TIMING) * 1e3
-        t_empty = graph_ms(lambda: _read_kernel[(1,)](kv, part, 0, BLOCK=4096, ITERS=1,
-                                                      num_warps=8), **TIMING) * 1e3
-        del kv
+        t_read, t_empty = (t * 1e3 for t in stream_read_ms([k, v], **TIMING))
         results = {}
         for sp, cfg in itertools.product(args.splits, configs):
             def fn():

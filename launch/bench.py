@@ -36,7 +36,8 @@ from omegaconf import DictConfig, OmegaConf
 import longctx
 from longctx.config import DTYPES
 from longctx.hardware import code_commit
-from longctx.kernels.bandwidth import read_bandwidth
+from longctx.kernels.bandwidth import _read_kernel, read_bandwidth
+from longctx.kernels.utils import FP_FUSION
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -96,6 +97,21 @@ def capture_graph(fn: Callable[[], object], calls: int = 1) -> torch.cuda.CUDAGr
 def graph_ms(fn: Callable[[], object], warmup_ms: float = 25, rep_ms: float = 100) -> float:
     """Median ms of `fn` replayed from a CUDA graph (launch overhead removed); see bench_ms."""
     return bench_ms(capture_graph(fn).replay, warmup_ms, rep_ms)
+
+
+def stream_read_ms(tensors: list[torch.Tensor], warmup_ms: float = 25,
+                   rep_ms: float = 100) -> tuple[float, float]:
+    """(graph_ms of a pure streaming read of the tensors' bytes, graph_ms of an empty launch of
+    the same kernel): what a kernel reading those bytes once can reach under this timing, its
+    launch latency and ramp included. Copies the bytes into one buffer first."""
+    kv = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors]).view(torch.float16)
+    grid = triton.cdiv(kv.numel(), 4096 * 4)
+    part = torch.empty(grid, device=kv.device, dtype=torch.float32)
+    t_read = graph_ms(lambda: _read_kernel[(grid,)](kv, part, kv.numel(), BLOCK=4096, ITERS=4,
+                                                    num_warps=8, **FP_FUSION), warmup_ms, rep_ms)
+    t_empty = graph_ms(lambda: _read_kernel[(1,)](kv, part, 0, BLOCK=4096, ITERS=1, num_warps=8,
+                                                  **FP_FUSION), warmup_ms, rep_ms)
+    return t_read, t_empty
 
 
 def check_peer(make: Callable[[], Callable[[], object]],
@@ -261,7 +277,7 @@ def vllm_fp8_peer(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     format): (make, its fp32 reference on the same dequantized values). The cache is k/v
     [B, N, Hkv, D] quantized, in pages of page_size slots, sequence b's pages in order; the
     split count is the best of 4-64 for the shape (timed, CUDA-graph replay)."""
-    from longctx.fp8 import FP8, quantize_fp8
+    from longctx.fp8 import quantize_fp8
 
     B, N, Hkv, D = k.shape
     Hq = q.shape[1]

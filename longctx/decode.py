@@ -178,10 +178,9 @@ def decode(
 
     Returns:
         o with q's shape and dtype; with return_lse also lse float32 (float64 for a float64 q),
-        natural log, shaped like o
-        without head_dim ([B, Hq], or [B, 1, Hq] for a 4-D q), so (o, lse) go to
-        `merge_states` / `merge_into` as they are. A sequence of length 0 gives o = 0 and
-        lse = -inf.
+        natural log, shaped like o without head_dim ([B, Hq], or [B, 1, Hq] for a 4-D q), so
+        (o, lse) go to `merge_states` / `merge_into` as they are. A sequence of length 0 gives
+        o = 0 and lse = -inf.
 
     Lengths beyond the capacity and out-of-range page ids raise ValueError for CPU tensors; on
     CUDA (no host sync: CUDA-graph capturable) the kernel writes NaN for such a sequence.

@@ -125,13 +125,19 @@ def test_decode_fp32_and_4d_query(device):
 
 @pytest.mark.gpu
 @pytest.mark.interpreter
-@pytest.mark.parametrize("kernel", [True, False])
-def test_decode_states_merge_as_they_are(device, kernel):
+def test_decode_states_merge_as_they_are(device):
     """(o, lse) of decode over two halves of each cache go to merge_states / merge_into unchanged
     and give decode over the whole cache, for a [B, Hq, D] and a [B, 1, Hq, D] q (lse shaped
-    like o without head_dim); kernel=False is the CPU reference path."""
-    if not kernel and device != "cpu":
-        pytest.skip("the reference path runs CPU tensors")
+    like o without head_dim): the kernel (interpreter on CPU)."""
+    _check_states_merge(device, kernel=True)
+
+
+def test_decode_states_merge_as_they_are_reference_path():
+    """The same on the CPU reference path."""
+    _check_states_merge("cpu", kernel=False)
+
+
+def _check_states_merge(device, kernel):
     B, S, Hq, Hkv, D = 2, 96, 6, 2, 32
     k, v = _cache(B, S, Hkv, D, torch.float32, device)
     seqlens = torch.tensor([96, 40], dtype=torch.int32, device=device)
