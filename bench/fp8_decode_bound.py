@@ -1,4 +1,5 @@
-"""Where the decode kernel's time goes at one long sequence, bf16 cache against fp8 (V key-major):
+"""Where the decode kernel's time goes at one long sequence, bf16 cache against fp8 (V key-major,
+with K and the scales in the usual [B, S, Hkv] layout and head-major as the model stores them):
 the whole call (longctx.decode, its own rule), the split kernel alone, the merge alone, and a
 pure streaming read of the same bytes and an empty launch (launch/bench.py stream_read_ms), all
 CUDA-graph replays with a cold L2 (launch/bench.py graph_ms). A development tool: it bounds
@@ -16,7 +17,7 @@ from bench import graph_ms, stream_read_ms  # noqa: E402
 from fp8_decode_sweep import bf16_launch, fp8_launch  # noqa: E402  (this script's folder)
 
 import longctx  # noqa: E402
-from longctx.fp8 import key_major_v, quantize_kv  # noqa: E402
+from longctx.fp8 import FP8, head_major, key_major_v, quantize_kv  # noqa: E402
 from longctx.kernels import decode as D  # noqa: E402
 from longctx.kernels.bandwidth import read_bandwidth  # noqa: E402
 from longctx.kernels.merge import merge_states_triton  # noqa: E402
@@ -45,9 +46,14 @@ def main() -> None:
         vkm = key_major_v(v8.shape, q.device)
         vkm.copy_(v8)
         del v8
-        rows["fp8 key-major"] = (dict(k_scale=ks, v_scale=vs), k8, vkm,
-                                 *fp8_launch(D, B, hkv, N, sms, q.device, key_major=True),
-                                 [k8, vkm, ks, vs])
+        launch = fp8_launch(D, B, hkv, N, sms, q.device, key_major=True)
+        rows["fp8 key-major V"] = (dict(k_scale=ks, v_scale=vs), k8, vkm, *launch,
+                                   [k8, vkm, ks, vs])
+        khm = head_major(k8.shape, FP8, q.device)
+        khm.copy_(k8)
+        kshm, vshm = (head_major(t.shape, t.dtype, q.device).copy_(t) for t in (ks, vs))
+        rows["fp8 model layout"] = (dict(k_scale=kshm, v_scale=vshm), khm, vkm, *launch,
+                                    [khm, vkm, kshm, vshm])
         for name, (sc, kk, vv, s, c, parts) in rows.items():
             t_call = graph_ms(lambda: longctx.decode(q, kk, vv, cache_seqlens=lens, **sc),
                               **T) * 1e3
@@ -61,7 +67,7 @@ def main() -> None:
                   f"{t_merge:.1f} | {t_stream:.1f} | {floor:.1f} | {t_call - t_stream:.1f} | "
                   f"{s} {c}")
             del o, lse
-        del rows, k8, vkm, ks, vs
+        del rows, k8, vkm, ks, vs, khm, kshm, vshm
         torch.cuda.empty_cache()
 
 

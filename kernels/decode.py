@@ -635,7 +635,7 @@ def flash_decode_partials(
             cache dtype inside the kernel.
         k_cache, v_cache: contiguous [B, S_max, Hkv, D] (block_table None) or paged
             [num_pages, page_size, Hkv, D]; last-dim stride 1. Or float8_e4m3fn, with k_scale,
-            v_scale float32 [B, S_max, Hkv] / [num_pages, page_size, Hkv] (last-dim stride 1):
+            v_scale float32 [B, S_max, Hkv] / [num_pages, page_size, Hkv] (any strides):
             key j of head h is k_cache[.., j, h, :] * k_scale[.., j, h] (V likewise).
         cache_seqlens: [B] int32 on q's device, or None: every sequence holds `capacity` keys.
             A length outside [0, capacity] or a page id outside [0, num_pages) within the

@@ -196,11 +196,11 @@ def _div_rows(a, b):
 
 @triton.jit
 def _store_fp8_kernel(X, Y, S, stride_xb, stride_xs, stride_xh, stride_yb, stride_ys, stride_yh,
-                      stride_yd, stride_sb, stride_ss, SEQ, H, BLOCK_H: tl.constexpr,
+                      stride_yd, stride_sb, stride_ss, stride_sh, SEQ, H, BLOCK_H: tl.constexpr,
                       D: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr):
     # One program per token t = b * SEQ + s: its H heads quantized (one scale per head), the fp8
     # rows to Y (any strides: stride_yd is 1, a constant once specialised, unless Y is a
-    # key-major V) and the scales to S (unit stride in the head dim).
+    # key-major V) and the scales to S (any strides).
     pdl_wait(USE_PDL)
     t = tl.program_id(0)
     b = (t // SEQ).to(tl.int64)
@@ -215,7 +215,8 @@ def _store_fp8_kernel(X, Y, S, stride_xb, stride_xs, stride_xh, stride_yb, strid
     y_cols = offs_d[None, :].to(tl.int64) * stride_yd
     tl.store(Y + b * stride_yb + s * stride_ys + head * stride_yh + y_cols,
              _div_rows(x, div).to(Y.dtype.element_ty), mask=mask)
-    tl.store(S + b * stride_sb + s * stride_ss + offs_h, scale, mask=offs_h < H)
+    tl.store(S + b * stride_sb + s * stride_ss + offs_h.to(tl.int64) * stride_sh, scale,
+             mask=offs_h < H)
 
 
 @triton.jit
@@ -247,7 +248,7 @@ def _store_fp8_keys_kernel(X, Y, S, stride_xb, stride_xs, stride_xh, stride_yb, 
 def store_fp8(dst: torch.Tensor, dst_scale: torch.Tensor, x: torch.Tensor) -> None:
     """dst, dst_scale = quantize_kv(x): x [B, S, H, D] (unit stride in D) into the fp8 view dst
     [B, S, H, D] (any strides: e.g. a key-major V, longctx.fp8, written in tiles of tokens) and
-    its float32 scales dst_scale [B, S, H] (unit stride in H), in one pass."""
+    its float32 scales dst_scale [B, S, H] (any strides), in one pass."""
     B, S, H, D = x.shape
     if B * S == 0:
         return
@@ -261,7 +262,7 @@ def store_fp8(dst: torch.Tensor, dst_scale: torch.Tensor, x: torch.Tensor) -> No
         return
     _store_fp8_kernel[(B * S,)](
         x, dst, dst_scale, x.stride(0), x.stride(1), x.stride(2), dst.stride(0), dst.stride(1),
-        dst.stride(2), dst.stride(3), dst_scale.stride(0), dst_scale.stride(1), S, H,
+        dst.stride(2), dst.stride(3), *dst_scale.stride(), S, H,
         BLOCK_H=next_power_of_2(H), D=D, BLOCK_D=next_power_of_2(D),
         num_warps=4 if H * D >= 2048 else 2, **pdl_launch(x.device))
 
@@ -307,7 +308,7 @@ def _rope_store_kv_kernel(Q, K, V, COS, SIN, POS, KC, VC, SLOT, KS, VS, S_MAX,
                           stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
                           stride_p, stride_t, stride_kcb, stride_kcs, stride_kch, stride_kcd,
                           stride_vcb, stride_vcs, stride_vch, stride_vcd, stride_sb,
-                          stride_ss, HQ, HKV,
+                          stride_ss, stride_sh, HQ, HKV,
                           HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr,
                           USE_PDL: tl.constexpr, FP8: tl.constexpr = False):
     # A decode step's RoPE and KV store, one token per sequence b = program_id(0): programs
@@ -345,7 +346,7 @@ def _rope_store_kv_kernel(Q, K, V, COS, SIN, POS, KC, VC, SLOT, KS, VS, S_MAX,
         if FP8:
             # Quantize the rotated k (rounded to k's dtype, as stored otherwise) and v: one
             # scale per head over both halves (longctx.fp8.quantize_kv), written beside them.
-            dst_s = b * stride_sb + slot * stride_ss + offs_h
+            dst_s = b * stride_sb + slot * stride_ss + offs_h.to(tl.int64) * stride_sh
             s_mask = tl.where((slot >= 0) & (slot < S_MAX), offs_h < HKV, False)
             k1, k2 = k1.to(tl.float32), k2.to(tl.float32)
             k_scale, k_div = _fp8_scale(tl.maximum(tl.max(tl.abs(k1), axis=1),
@@ -377,8 +378,8 @@ def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
     store_kv of k and v [B, Hkv, D] at slot [B] int64: one launch. q/k/v unit stride in D;
     caches [B, S_max, Hkv, D] of any strides (e.g. an fp8 V stored key-major, longctx.fp8);
     cos/sin the [max_seq_len, D] float32 tables. An fp8 cache (float8_e4m3fn) stores
-    quantize_kv of k and v, their scales to k_scale / v_scale [B, S_max, Hkv] float32
-    contiguous."""
+    quantize_kv of k and v, their scales to k_scale / v_scale [B, S_max, Hkv] float32 (both of
+    the same strides, any: e.g. longctx.fp8.head_major, the model's)."""
     B, HQ, D = q.shape
     HKV = k.shape[1]
     BLOCK_H = min(next_power_of_2(HQ), 16)
@@ -388,6 +389,6 @@ def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
         q, k, v, cos, sin, pos, k_cache, v_cache, slot, ks, vs, k_cache.shape[1], q.stride(0),
         q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), pos.stride(0),
         cos.stride(0), *k_cache.stride(), *v_cache.stride(),
-        ks.stride(0) if fp8 else 0, ks.stride(1) if fp8 else 0, HQ, HKV,
+        *(ks.stride() if fp8 else (0, 0, 0)), HQ, HKV,
         HALF=D // 2, BLOCK_HALF=next_power_of_2(D // 2), BLOCK_H=BLOCK_H, FP8=fp8, num_warps=2,
         **pdl_launch(q.device))

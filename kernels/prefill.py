@@ -661,7 +661,7 @@ def flash_attention_fwd(
     h // (Hq // Hkv)). fp16/bf16/fp32 inputs, fp32 accumulation.
 
     Dense k/v may be an fp8 cache (float8_e4m3fn, q in a wider dtype) with k_scale / v_scale
-    float32 [B, Sk, Hkv] (unit stride in Hkv): key j is k[:, j] * k_scale[:, j] (longctx.fp8),
+    float32 [B, Sk, Hkv] (any strides): key j is k[:, j] * k_scale[:, j] (longctx.fp8),
     the tiles widened to q's dtype in the kernel and the scales applied per key. head_dim must
     then be a multiple of 16 (TMA's 16-byte alignment of the fp8 rows). v may then be stored
     key-major (longctx.fp8.key_major_v; `check_key_major`'s layout). Triton kernel only.

@@ -89,10 +89,11 @@ def attention(
             omitted they are read from cu_seqlens, which costs a host sync on CUDA.
         return_lse: also return the LSE.
         k_scale, v_scale: dense k/v from an fp8 cache (both float8_e4m3fn, q in its own dtype):
-            their float32 scales [B, Sk, Hkv] (unit stride in Hkv), key j of KV head h being
+            their float32 scales [B, Sk, Hkv] (any strides), key j of KV head h being
             k[:, j, h] * k_scale[:, j, h] (longctx.fp8); required with fp8 k/v, refused
             otherwise. On CUDA head_dim must then be a multiple of 16. v may then be stored
-            key-major (longctx.fp8.key_major_v, as the model's fp8 cache is).
+            key-major (longctx.fp8.key_major_v), k and the scales head-major
+            (longctx.fp8.head_major), as the model's fp8 cache is.
 
     Returns:
         o shaped like q, in q's dtype; with return_lse also the LSE, float32 natural log (float64

@@ -170,9 +170,10 @@ def decode(
             and capacity. Any value >= 1 gives the same result up to rounding.
         return_lse: also return the LSE.
         k_scale, v_scale: an fp8 cache's scales, float32, on q's device, shaped like the cache
-            without head_dim ([B, S_max, Hkv], paged [num_pages, page_size, Hkv]; unit stride in
-            Hkv): key j of KV head h is k_cache[.., j, h, :] * k_scale[.., j, h], value likewise
-            (longctx.fp8: one scale per token and KV head). Required with an fp8 cache, refused
+            without head_dim ([B, S_max, Hkv], paged [num_pages, page_size, Hkv]; any strides,
+            e.g. longctx.fp8.head_major, the model's): key j of KV head h is
+            k_cache[.., j, h, :] * k_scale[.., j, h], value likewise (longctx.fp8: one scale
+            per token and KV head). Required with an fp8 cache, refused
             without one. The kernel widens the fp8 tiles to float16 (float32 for a float32 q)
             and applies the scales per key in registers.
 

@@ -27,7 +27,7 @@ from torch import nn
 from longctx.attention import attention
 from longctx.config import ModelArgs, check_chunk
 from longctx.decode import decode
-from longctx.fp8 import FP8, check_fp8_device, key_major_v
+from longctx.fp8 import FP8, check_fp8_device, head_major, key_major_v
 from longctx.ops import (linear, linear_silu_mul, rms_norm, rope_, rope_store_kv, rope_tables,
                          store_fp8)
 from longctx.rope import attention_factor
@@ -50,8 +50,9 @@ class KVCache(nn.Module):
     k_cache, v_cache: [B, S_max, Hkv, D]; position p of sequence b lives at [b, p]. Preallocated
     once (the decode step reads and writes fixed buffers, so it can be captured in a CUDA graph).
     dtype float8_e4m3fn: an fp8 cache, with k_scale, v_scale [B, S_max, Hkv] float32 (longctx.fp8:
-    one scale per token and KV head, written by the kernels that store K/V), v_cache stored
-    key-major (a strided view); else both None.
+    one scale per token and KV head, written by the kernels that store K/V); k_cache and the
+    scales stored head-major, v_cache key-major (strided views: longctx.fp8.head_major,
+    key_major_v); else both None.
     longctx.parallel replaces this class to shard the cache by position.
     """
 
@@ -60,14 +61,17 @@ class KVCache(nn.Module):
         super().__init__()
         shape = (batch, max_seq_len, n_kv_heads, head_dim)
         fp8 = dtype == FP8
-        self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        # An fp8 V is stored key-major (longctx.fp8.key_major_v: the decode kernel's faster
-        # layout), still indexed [B, S_max, Hkv, D]; zero-filled, as its reads past a length need.
+        # An fp8 cache in the decode kernel's faster layouts, still indexed [B, S_max, Hkv, D]:
+        # K and the scales head-major, V key-major (longctx.fp8.head_major, key_major_v);
+        # zero-filled, as a key-major V's reads past a length need.
+        k = head_major(shape, dtype, device) if fp8 else torch.zeros(shape, dtype=dtype,
+                                                                     device=device)
         v = key_major_v(shape, device) if fp8 else torch.zeros(shape, dtype=dtype, device=device)
+        self.register_buffer("k_cache", k, persistent=False)
         self.register_buffer("v_cache", v, persistent=False)
         for name in ("k_scale", "v_scale"):
-            self.register_buffer(name, torch.zeros(shape[:3], device=device) if fp8 else None,
-                                 persistent=False)
+            self.register_buffer(name, head_major(shape[:3], torch.float32, device) if fp8
+                                 else None, persistent=False)
 
     def store(self, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write k/v [B, L, Hkv, D] at slots [start, start + L) (quantized for an fp8 cache)."""

@@ -177,8 +177,7 @@ def store_fp8(dst: torch.Tensor, dst_scale: torch.Tensor, x: torch.Tensor) -> No
     [B, S, H, D] float8_e4m3fn (any strides: e.g. a key-major V, longctx.fp8) and dst_scale
     [B, S, H] float32 being views of the cache and its scales (a prefill chunk's positions). On
     CUDA one kernel reads x once and writes both."""
-    if use_triton_for(x) and x.stride(-1) == 1 and \
-            (dst_scale.stride(-1) == 1 or x.shape[2] == 1):
+    if use_triton_for(x) and x.stride(-1) == 1:
         from longctx.kernels.fused import store_fp8 as kernel
 
         kernel(dst, dst_scale, x)
@@ -186,6 +185,17 @@ def store_fp8(dst: torch.Tensor, dst_scale: torch.Tensor, x: torch.Tensor) -> No
     x_fp8, scale = quantize_kv(x)
     dst.copy_(x_fp8)
     dst_scale.copy_(scale)
+
+
+def _rope_store_kernel_takes(k_cache: torch.Tensor, v_cache: torch.Tensor,
+                             k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> bool:
+    """Whether kernels/fused.py's rope_store_kv writes these caches: contiguous ones, or an fp8
+    cache of any layout with a unit head_dim stride in K (V's may be key-major) and its two
+    scales of one layout (the kernel takes one set of scale strides)."""
+    if k_scale is None:
+        return k_cache.is_contiguous() and v_cache.is_contiguous()
+    return (k_cache.stride(-1) == 1 and (v_cache.stride(-1) == 1 or is_key_major(v_cache))
+            and k_scale.stride() == v_scale.stride())
 
 
 def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
@@ -200,9 +210,11 @@ def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
     `rope_tables`; a slot outside [0, S_max) is not written on CUDA). q/k/v may be strided
     views (the heads of a fused projection) with unit stride in D. On CUDA one kernel does it
     all (rope_ and store_kv are a launch each) for contiguous caches; on the CPU it is rope_
-    and store_kv. An fp8 cache takes k_scale / v_scale [B, S_max, Hkv] float32 (contiguous)
-    and stores the rotated k and v quantized (longctx.fp8.quantize_kv) with their scales, in
-    the same kernel; its v_cache may be key-major (longctx.fp8.key_major_v, the model's).
+    and store_kv. An fp8 cache takes k_scale / v_scale [B, S_max, Hkv] float32 and stores the
+    rotated k and v quantized (longctx.fp8.quantize_kv) with their scales, in the same kernel,
+    for any strides (the model's: k_cache and the scales longctx.fp8.head_major, v_cache
+    key-major, longctx.fp8.key_major_v) but for a unit stride in k_cache's head_dim and the
+    two scales' strides alike.
     """
     B, hkv, D = k.shape
     if q.dim() != 3 or q.shape[0] != B or q.shape[2] != D or v.shape != k.shape:
@@ -215,9 +227,7 @@ def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
         raise ValueError(f"pos and slot must be [{B}], got {tuple(pos.shape)} and "
                          f"{tuple(slot.shape)}")
     if use_triton_for(q) and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1 \
-            and k_cache.is_contiguous() \
-            and (v_cache.is_contiguous() or (k_scale is not None and is_key_major(v_cache))) \
-            and (k_scale is None or (k_scale.is_contiguous() and v_scale.is_contiguous())):
+            and _rope_store_kernel_takes(k_cache, v_cache, k_scale, v_scale):
         from longctx.kernels.fused import rope_store_kv as kernel
 
         kernel(q, k, v, cos, sin, pos, k_cache, v_cache, slot, k_scale, v_scale)

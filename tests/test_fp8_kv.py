@@ -165,6 +165,56 @@ def test_decode_kernel_reads_key_major_v(device, B, S, Hq, Hkv, D, lens, splits)
     torch.testing.assert_close(lse_km, lse, rtol=0, atol=1e-4)
 
 
+def _head_major_copy(x: torch.Tensor, device) -> torch.Tensor:
+    """x [B, S, Hkv, ...] copied into a head-major tensor on `device` (longctx.fp8.head_major:
+    physically [B, Hkv, S_pad, ...], the model's fp8 K and scales), its padding NaN bytes (0x7f
+    in every byte: NaN in e4m3 and in float32), which no read may touch."""
+    from longctx.fp8 import head_major
+
+    t = head_major(x.shape, x.dtype, "cpu")
+    phys = t.transpose(1, 2)  # [B, Hkv, S, ...], a view into [B, Hkv, S_pad, ...]
+    whole = torch.as_strided(phys, (*phys.shape[:2], phys.stride(1) // phys.stride(2),
+                                    *phys.shape[3:]), phys.stride())
+    whole.view(torch.uint8).fill_(0x7F)
+    t.copy_(x.cpu())
+    return t.to(device) if device == "cpu" else _to_device_same_strides(t, device)
+
+
+def _to_device_same_strides(t: torch.Tensor, device) -> torch.Tensor:
+    """t on `device` with its strides and storage (padding included) as they are."""
+    raw = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage()).to(device)
+    return torch.empty(0, dtype=t.dtype, device=device).set_(
+        raw.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+
+
+@pytest.mark.gpu
+@pytest.mark.interpreter
+@pytest.mark.parametrize("B,S,Hq,Hkv,D,lens,splits", [
+    (3, 97, 6, 2, 32, [97, 0, 1], 3),      # GQA group 3, lengths 0 and 1, ragged
+    (2, 300, 16, 2, 128, [300, 129], 2),   # the model's tile (head_dim 128, group 8)
+    (1, 200, 5, 5, 64, [200], 4),          # MHA, 5 KV heads
+])
+def test_decode_kernel_reads_head_major_k_and_scales(device, B, S, Hq, Hkv, D, lens, splits):
+    """The model's fp8 cache layout (K and both scales head-major, longctx.fp8.head_major; V
+    key-major) gives the usual layout's output bit for bit (only the strides differ), for either
+    V layout, and reads nothing in the head-major rows' padding (NaN there)."""
+    from longctx.fp8 import key_major_v
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float16
+    (q, kc, vc, ks, vs), _, _ = _decode_case(B, S, Hq, Hkv, D, False, dtype, device)
+    vkm = key_major_v(vc.shape, device)
+    vkm.copy_(vc)
+    khm, kshm, vshm = (_head_major_copy(t, device) for t in (kc, ks, vs))
+    assert khm.stride(1) == D and kshm.stride(1) == 1 and torch.equal(kshm.cpu(), ks.cpu())
+    lens_t = torch.tensor(lens, dtype=torch.int32, device=device)
+    scale = D**-0.5
+    for v, name in ((vc, "usual V"), (vkm, "key-major V")):
+        o, lse = flash_decode(q, kc, v, lens_t, None, scale, splits, k_scale=ks, v_scale=vs)
+        o_hm, lse_hm = flash_decode(q, khm, v, lens_t, None, scale, splits, k_scale=kshm,
+                                    v_scale=vshm)
+        assert torch.equal(o_hm, o) and torch.equal(lse_hm, lse), name
+
+
 @pytest.mark.gpu
 @pytest.mark.interpreter
 @pytest.mark.parametrize("Sq,D", [(37, 32), (150, 128), (130, 256)])

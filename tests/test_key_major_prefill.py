@@ -1,7 +1,8 @@
 """Prefill attention over an fp8 cache whose V is stored key-major (longctx.fp8.key_major_v, the
-model's fp8 V): the Triton kernel reads it (V_KEY_MAJOR) with the usual layout's output bit for
-bit, the API takes it where the kernels read it and refuses it naming v elsewhere, it never goes
-to the Gluon Hopper kernel, and it compiles for sm_90 without spills."""
+model's fp8 V, beside its head-major K and scales): the Triton kernel reads it (V_KEY_MAJOR) with
+the usual layout's output bit for bit, the API takes it where the kernels read it and refuses it
+naming v elsewhere, it never goes to the Gluon Hopper kernel, and it compiles for sm_90 without
+spills."""
 
 from __future__ import annotations
 
@@ -63,6 +64,37 @@ def test_key_major_v_matches_usual_layout(device, causal, B, Sq, Sk, s_max, Hq, 
                                    q_start=q_start, compute_dtype=dtype)
     err, err_plain = (o.double().cpu() - want).abs().max(), (plain.double() - want).abs().max()
     assert err <= 2 * err_plain + 1e-6, (err, err_plain)
+
+
+@pytest.mark.gpu
+@pytest.mark.interpreter
+@pytest.mark.parametrize("B,Sq,Sk,s_max,Hq,Hkv,D,q_start", [
+    (2, 5, 37, 64, 6, 2, 32, 32),     # the model's view [:, :end] of a longer cache, GQA group 3
+    (1, 40, 70, 100, 4, 1, 48, 30),   # head_dim 48 (padded tile), MQA, several key blocks
+    (1, 130, 150, 200, 3, 3, 128, 20),  # MHA, the model's head_dim
+])
+def test_model_fp8_layout_matches_usual_layout(device, B, Sq, Sk, s_max, Hq, Hkv, D, q_start):
+    """A chunked prefill over the model's fp8 cache (K and both scales head-major,
+    longctx.fp8.head_major; V key-major; views of the first Sk positions of a cache of s_max)
+    gives the usual layout's O and LSE bit for bit."""
+    from longctx.fp8 import head_major
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float16
+    q, kq, vq, ks, vs = _case(B, Sq, Sk, Hq, Hkv, D, dtype)
+    k_hm = head_major((B, s_max, Hkv, D), FP8, device)
+    k_hm[:, :Sk] = kq.to(device)
+    ks_hm, vs_hm = (head_major((B, s_max, Hkv), torch.float32, device) for _ in range(2))
+    ks_hm[:, :Sk], vs_hm[:, :Sk] = ks.to(device), vs.to(device)
+    v_km = _key_major(vq, s_max, device)[:, :Sk]
+    assert k_hm.stride(1) == D and ks_hm.stride(1) == 1
+    with force_triton(device == "cpu"):
+        o, lse = longctx.attention(q.to(device), kq.to(device), vq.to(device), causal=True,
+                                   q_start=q_start, k_scale=ks.to(device), v_scale=vs.to(device),
+                                   return_lse=True)
+        o_m, lse_m = longctx.attention(q.to(device), k_hm[:, :Sk], v_km, causal=True,
+                                       q_start=q_start, k_scale=ks_hm[:, :Sk],
+                                       v_scale=vs_hm[:, :Sk], return_lse=True)
+    assert torch.equal(o_m, o) and torch.equal(lse_m, lse)
 
 
 # ------------------------------------------------------------------- the API (CPU) -----------

@@ -1,8 +1,9 @@
 """The fp8 cache writers (ops.store_fp8: a prefill chunk; ops.rope_store_kv: a decode step) into a
-V cache stored key-major (longctx.fp8.key_major_v) write what they write into the usual layout,
-longctx.fp8.quantize_kv's values and scales bit for bit, and no other byte of its storage: not
-the other slots, not the padding past S. The Triton kernels on the `device` fixture (the
-interpreter on CPU), the torch code on the CPU.
+V cache stored key-major (longctx.fp8.key_major_v), and into a K cache and scales stored
+head-major (longctx.fp8.head_major; the model's layout is both), write what they write into the
+usual layout, longctx.fp8.quantize_kv's values and scales bit for bit, and no other byte of
+their storage: not the other slots, not the padding past S. The Triton kernels on the `device`
+fixture (the interpreter on CPU), the torch code on the CPU.
 
 The interpreter's float32 -> e4m3 conversion is not torch's (it rounds ties away from zero and
 drops the carry into the exponent: 126.9 -> 64; triton-lang/triton#8322), so there the values are
@@ -15,18 +16,37 @@ import torch
 
 from longctx import ops
 from longctx.backend import force_triton
-from longctx.fp8 import FP8, is_key_major, key_major_v, quantize_kv
+from longctx.fp8 import FP8, head_major, is_key_major, key_major_v, quantize_kv
 from tests.env import INTERPRET
 
 
 def _caches(B, S, H, D, device):
     """{layout: (fp8 V cache [B, S, H, D], its scales [B, S, H])}, zero-filled: the usual
-    contiguous layout and key-major."""
+    contiguous layout, key-major, head-major (cache and scales), and the model's V (key-major,
+    its scales head-major)."""
     km = key_major_v((B, S, H, D), device)
     assert is_key_major(km)
+    hm = head_major((B, S, H, D), FP8, device)
+    assert not is_key_major(hm) and hm.stride(1) == D
     return {"contiguous": (torch.zeros(B, S, H, D, dtype=FP8, device=device),
                            torch.zeros(B, S, H, device=device)),
-            "key_major": (km, torch.zeros(B, S, H, device=device))}
+            "key_major": (km, torch.zeros(B, S, H, device=device)),
+            "head_major": (hm, head_major((B, S, H), torch.float32, device)),
+            "model": (key_major_v((B, S, H, D), device),
+                      head_major((B, S, H), torch.float32, device))}
+
+
+def test_head_major_rows_are_whole_lines():
+    """head_major keeps the logical shape, each head's positions contiguous and padded to 128
+    keys (whole 128-byte lines for an fp8 head_dim of 128 or more, and for the scales)."""
+    for S in (1, 37, 128, 1000):
+        for shape, dtype in (((2, S, 3, 16), FP8), ((2, S, 3), torch.float32)):
+            t = head_major(shape, dtype, "cpu")
+            assert t.shape == shape and t.dtype == dtype
+            assert (_bits(t) if dtype == FP8 else t).count_nonzero() == 0
+            row = shape[3] if len(shape) == 4 else 1  # elements a position of a head
+            s_pad = t.stride(2) // row
+            assert t.stride(1) == row and s_pad % 128 == 0 and S <= s_pad < S + 128
 
 
 def test_key_major_v_rows_are_whole_lines():
@@ -88,11 +108,12 @@ def _check_store_fp8(B, S, H, D, chunks, device, kernel):
                 ops.store_fp8(cache[:, start:end], scale[:, start:end], x[:, start:end])
     written = [s for a, b in chunks for s in range(a, b)]
     want, want_s = quantize_kv(x[:, written].cpu())  # the rule (on the CPU: below)
-    (c, cs), (km, kms) = caches.values()
-    assert torch.equal(km.float(), c.float()) and torch.equal(kms, cs)
+    c, cs = caches["contiguous"]
+    for cache, scale in caches.values():
+        assert torch.equal(cache.float(), c.float()) and torch.equal(scale, cs)
     if kernel and INTERPRET:  # its e4m3 rounding (above)
         want = c[:, written].clone()
-    for cache, scale in (c, cs), (km, kms):
+    for cache, scale in caches.values():
         _assert_written_only(cache, scale, (slice(None), written), want, want_s)
 
 
@@ -112,15 +133,18 @@ def test_store_fp8_torch_into_key_major_v(B, S, H, D, chunks):
 
 
 def _check_rope_store_kv(B, Hq, Hkv, D, S, steps, device, kernel):
-    """Decode steps (slot [B] per step; a slot outside [0, S) writes nothing) into an fp8 K cache
-    and both layouts of the fp8 V cache: the same K, V and scales, quantize_kv of the rotated k
-    and of v, and nothing else written."""
+    """Decode steps (slot [B] per step; a slot outside [0, S) writes nothing) into fp8 K and V
+    caches of every layout of `_caches` (K contiguous beside a contiguous or key-major V, else
+    head-major with head-major scales, as the model's): the same K, V and scales, quantize_kv
+    of the rotated k and of v, and nothing else written."""
     T = S + 8
     cos, sin = ops.rope_tables(T, D, 10000.0, torch.device(device))
+    v_caches = _caches(B, S, Hkv, D, device)
     k_caches = {name: (torch.zeros(B, S, Hkv, D, dtype=FP8, device=device),
                        torch.zeros(B, S, Hkv, device=device))
-                for name in ("contiguous", "key_major")}  # K: the usual layout beside either V
-    v_caches = _caches(B, S, Hkv, D, device)
+                if name in ("contiguous", "key_major") else
+                (head_major((B, S, Hkv, D), FP8, device),
+                 head_major((B, S, Hkv), torch.float32, device)) for name in v_caches}
     rows = {}  # (b, slot) -> (the rotated k, v) of the last step that wrote it
     for slot in steps:
         slot = torch.tensor(slot, device=device)
@@ -136,7 +160,7 @@ def _check_rope_store_kv(B, Hq, Hkv, D, S, steps, device, kernel):
                 rows[b, s] = k[b], v[b]
     where = tuple(torch.tensor(w, device=device) for w in zip(*rows))
     (kc, kcs), (vc, vcs) = k_caches["contiguous"], v_caches["contiguous"]
-    for name in ("contiguous", "key_major"):
+    for name in v_caches:
         assert torch.equal(k_caches[name][0].float(), kc.float())
         assert torch.equal(v_caches[name][0].float(), vc.float())
         assert torch.equal(k_caches[name][1], kcs) and torch.equal(v_caches[name][1], vcs)
