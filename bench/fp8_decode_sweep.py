@@ -7,7 +7,8 @@ the floor (the fp8 bytes and scales at the measured read bandwidth).
 
     python bench/fp8_decode_sweep.py [--baseline OLD.py] [--shapes 32/4/1x262144 ...]
         [--candidates 2:128,4,2 4:64,4,2 ...]   # MULT:BLOCK_N,warps,stages
-        [--key-major]   # V stored key-major (the model's fp8 cache) for the candidates and rule
+        [--key-major [--head-major]]   # V stored key-major (and K and the scales head-major: the
+                                       # model's fp8 cache) for the candidates and the rule
     # OLD.py: e.g. `git show 5425e66:kernels/decode.py > /tmp/decode_5425e66.py`
 """
 
@@ -24,7 +25,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch"))
 from bench import graph_ms  # noqa: E402
 
-from longctx.fp8 import dequantize_kv, key_major_v, quantize_kv  # noqa: E402
+from longctx.fp8 import dequantize_kv, head_major, key_major_v, quantize_kv  # noqa: E402
 from longctx.kernels import decode as D  # noqa: E402
 from longctx.kernels.bandwidth import read_bandwidth  # noqa: E402
 from longctx.kernels.merge import merge_states_triton  # noqa: E402
@@ -93,7 +94,12 @@ def main() -> None:
     ap.add_argument("--key-major", action="store_true",
                     help="the candidates and the rule on a key-major V (longctx.fp8.key_major_v); "
                          "the usual layout's rule is timed beside it")
+    ap.add_argument("--head-major", action="store_true",
+                    help="with --key-major: K and the scales head-major too (longctx.fp8."
+                         "head_major), the model's fp8 cache")
     args = ap.parse_args()
+    if args.head_major and not args.key_major:
+        ap.error("--head-major goes with --key-major (the model's fp8 cache is both)")
     shapes, candidates = SHAPES, CANDIDATES
     try:
         if args.shapes:
@@ -132,6 +138,9 @@ def main() -> None:
         if args.key_major:
             v8 = key_major_v(v_std.shape, q.device)
             v8.copy_(v_std)
+        if args.head_major:
+            k8, ks, vs = (head_major(t.shape, t.dtype, q.device).copy_(t) for t in (k8, ks, vs))
+            scales = dict(k_scale=ks, v_scale=vs)
         t_old = None
         if old is not None:
             sp_old, cfg = fp8_launch(old, B, hkv, N, sms, q.device)
