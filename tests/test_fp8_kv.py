@@ -166,25 +166,21 @@ def test_decode_kernel_reads_key_major_v(device, B, S, Hq, Hkv, D, lens, splits)
 
 
 def _head_major_copy(x: torch.Tensor, device) -> torch.Tensor:
-    """x [B, S, Hkv, ...] copied into a head-major tensor on `device` (longctx.fp8.head_major:
-    physically [B, Hkv, S_pad, ...], the model's fp8 K and scales), its padding NaN bytes (0x7f
-    in every byte: NaN in e4m3 and in float32), which no read may touch."""
+    """x [B, S, Hkv, ...] copied into a head-major tensor on `device` (longctx.fp8.head_major's
+    layout: physically [B, Hkv, S_pad, ...], the model's fp8 K and scales) whose padding past S
+    holds NaN (0x7f bytes in e4m3), which no read may touch."""
     from longctx.fp8 import head_major
 
-    t = head_major(x.shape, x.dtype, "cpu")
-    phys = t.transpose(1, 2)  # [B, Hkv, S, ...], a view into [B, Hkv, S_pad, ...]
-    whole = torch.as_strided(phys, (*phys.shape[:2], phys.stride(1) // phys.stride(2),
-                                    *phys.shape[3:]), phys.stride())
-    whole.view(torch.uint8).fill_(0x7F)
-    t.copy_(x.cpu())
-    return t.to(device) if device == "cpu" else _to_device_same_strides(t, device)
-
-
-def _to_device_same_strides(t: torch.Tensor, device) -> torch.Tensor:
-    """t on `device` with its strides and storage (padding included) as they are."""
-    raw = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage()).to(device)
-    return torch.empty(0, dtype=t.dtype, device=device).set_(
-        raw.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+    whole = head_major(x.shape, x.dtype, "cpu").transpose(1, 2)  # [B, Hkv, S, ...] of S_pad
+    rows = whole.stride(1) // whole[0, 0, 0].numel()  # S_pad
+    base = torch.as_strided(whole, (*whole.shape[:2], rows, *whole.shape[3:]),
+                            whole.stride()).clone()
+    if x.dtype == torch.float32:
+        base.fill_(float("nan"))
+    else:
+        base.view(torch.uint8).fill_(0x7F)
+    base[:, :, :x.shape[1]] = x.transpose(1, 2).cpu()
+    return base.to(device)[:, :, :x.shape[1]].transpose(1, 2)
 
 
 @pytest.mark.gpu
