@@ -324,12 +324,14 @@ def run_decode(cfg: DictConfig) -> dict:
         ref = half_ref = attention_ref(q, k, v)  # fp32, over the cache in the table's dtype
         if fp8:
             # longctx's fp8 cache: e4m3 K/V and a float32 scale per (token, KV head), counted in
-            # the floor; its reference attends to the same dequantized values.
-            from longctx.fp8 import dequantize_kv, quantize_kv
+            # the floor, in the model's layout (K and the scales head-major, V key-major); its
+            # reference attends to the same dequantized values.
+            from longctx.fp8 import dequantize_kv, model_layout, quantize_kv
 
             (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
             kv_bytes = 2 * (kq.numel() + 4 * ks.numel())
             ref = attention_ref(q, dequantize_kv(kq, ks), dequantize_kv(vq, vs))
+            kq, vq, ks, vs = model_layout(kq, vq, ks, vs)
 
             def ours():
                 return longctx.decode(q, kq, vq, cache_seqlens=seqlens, num_splits=c.num_splits,

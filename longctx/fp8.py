@@ -121,6 +121,16 @@ def head_major(shape: tuple[int, ...], dtype: torch.dtype,
                        device=device)[:, :, :S].transpose(1, 2)
 
 
+def model_layout(k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor,
+                 v_scale: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Copies of an fp8 cache (k, v [B, S, Hkv, D] float8_e4m3fn; k_scale, v_scale [B, S, Hkv]
+    float32, any layout) in the layout the model's cache keeps (longctx.model.KVCache): k and
+    both scales `head_major`, v `key_major_v`. Returns (k, v, k_scale, v_scale), same values."""
+    k_hm, ks_hm, vs_hm = (head_major(t.shape, t.dtype, t.device).copy_(t)
+                          for t in (k, k_scale, v_scale))
+    return k_hm, key_major_v(v.shape, v.device).copy_(v), ks_hm, vs_hm
+
+
 def is_key_major(v: torch.Tensor) -> bool:
     """Whether v [..., S, Hkv, D] is laid out key-major (unit stride along keys, not along
     head_dim); `check_key_major` says whether that layout is one the kernels take."""

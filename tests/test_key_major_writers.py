@@ -49,6 +49,25 @@ def test_head_major_rows_are_whole_lines():
             assert t.stride(1) == row and s_pad % 128 == 0 and S <= s_pad < S + 128
 
 
+def test_model_layout_copies_into_the_models_cache_layout():
+    """longctx.fp8.model_layout (what the benchmarks time) gives the strides of the model's own
+    fp8 cache (longctx.model.KVCache) and the same values, bit for bit."""
+    from longctx.fp8 import model_layout
+    from longctx.model import KVCache
+
+    for B, S, H, D in ((1, 1, 1, 16), (2, 37, 3, 16), (1, 300, 2, 128)):
+        (k8, ks), (v8, vs) = (quantize_kv(torch.randn(B, S, H, D)) for _ in range(2))
+        cache = KVCache(B, S, H, D, FP8, torch.device("cpu"))
+        ours = model_layout(k8, v8, ks, vs)
+        theirs = (cache.k_cache, cache.v_cache, cache.k_scale, cache.v_scale)
+        for a, b, want in zip(ours, theirs, (k8, v8, ks, vs)):
+            assert a.shape == b.shape and a.stride() == b.stride()
+            if a.dtype == FP8:
+                assert torch.equal(_bits(a), _bits(want))
+            else:
+                assert torch.equal(a, want)
+
+
 def test_key_major_v_rows_are_whole_lines():
     """key_major_v pads each (batch, head, column) row to whole 128-byte lines (the decode
     kernel reads 128 keys of a row at a time; rows starting mid-line read slower), keeping the
