@@ -43,6 +43,13 @@ measured faster than the Triton kernel on an H100 (causal from 2048 query rows, 
 one). Everything else runs the Triton kernel below, and so
 does every call with ``LONGCTX_PREFILL_KERNEL=triton`` in the environment at import or inside
 ``prefill_kernel("triton")`` (A/B runs), under the interpreter, with ``_config``, on other GPUs.
+
+A dense fp8 k/v where that rule applies to q (`_fp8_blocks_apply`) runs the Gluon kernel too:
+its keys dequantized to q's dtype FP8_DEQUANT_KEYS at a time (longctx.fp8.dequantize_kv), each
+block merged into a float32 running state by the kernel's accumulating epilogue
+(`_attend_fp8_blocks`). The Triton kernel, widening e4m3 tiles in registers, took 2.7x the
+Gluon kernel's time on the same values in bf16 (a chunk of 8192 queries over 262144 keys, 64/8
+heads, one H200: 298 against 112 ms); the blocks take 115 ms (BENCHMARKS.md, fp8 section).
 """
 
 from __future__ import annotations
@@ -59,7 +66,7 @@ import triton.language as tl
 
 from longctx.backend import interpreter_active
 from longctx.checks import check_accumulator
-from longctx.fp8 import check_key_major, is_key_major
+from longctx.fp8 import check_key_major, dequantize_kv, is_key_major
 from longctx.kernels.launch import Launch, stream_scratch
 from longctx.kernels.merge import _rescale, _state_lse
 from longctx.kernels.utils import cdiv, device_capability, next_power_of_2
@@ -627,6 +634,47 @@ def _hopper_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
         config_given=config_given, num_seqs=cu_seqlens_q.numel() - 1 if varlen else None)
 
 
+# Keys per dequantized block of an fp8 k/v on the Gluon kernel (`_attend_fp8_blocks`): the copy
+# is 2 x keys x Hkv x D elements of q's dtype; 32768 and 65536 keys measured alike (115.5 / 115.3
+# ms at 262144 keys, bench/results/fp8-prefill-blocks-h200.txt).
+FP8_DEQUANT_KEYS = 32768
+
+
+def _fp8_blocks_apply(q: torch.Tensor, k: torch.Tensor, causal: bool, config_given: bool) -> bool:
+    """Whether a dense fp8 call on a CUDA q runs as dequantized blocks through the Hopper kernel:
+    `hopper_kernel_applies` for q with contiguous k / v blocks of q's dtype."""
+    b, sk, hkv, d = k.shape
+    blk = (b, min(sk, FP8_DEQUANT_KEYS), hkv, d)
+    strides = (blk[1] * hkv * d, hkv * d, d, 1)
+    return hopper_kernel_applies(
+        dtypes=(q.dtype,) * 3, shapes=(q.shape, blk, blk), strides=(q.stride(), strides, strides),
+        data_ptrs=(0, 0, 0), capability=device_capability(q.device), causal=bool(causal),
+        varlen=False, config_given=config_given)
+
+
+def _attend_fp8_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor,
+                       v_scale: torch.Tensor, softmax_scale: float, causal: bool,
+                       q_start: int | torch.Tensor, k_start: int | torch.Tensor,
+                       o: torch.Tensor, lse: torch.Tensor | None) -> None:
+    """A dense fp8 call's O into o (q's dtype) and LSE into lse (float32, unless None): k / v
+    dequantized to q's dtype FP8_DEQUANT_KEYS keys at a time, each block attended by
+    `flash_attention_fwd` merging into a float32 running state (its accumulating epilogue, the
+    merge layer's rule). Rows that see no key end with O = 0 and LSE = -inf, as the running state
+    starts."""
+    o_acc = torch.zeros(o.shape, dtype=torch.float32, device=q.device)
+    lse_acc = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+    for s0 in range(0, k.shape[1], FP8_DEQUANT_KEYS):
+        s1 = min(k.shape[1], s0 + FP8_DEQUANT_KEYS)
+        kb = dequantize_kv(k[:, s0:s1], k_scale[:, s0:s1], q.dtype)
+        vb = dequantize_kv(v[:, s0:s1], v_scale[:, s0:s1], q.dtype)
+        flash_attention_fwd(q, kb, vb, softmax_scale=softmax_scale, causal=causal,
+                            q_start=q_start, k_start=k_start + s0, accumulate=(o_acc, lse_acc))
+        del kb, vb  # the next block's copies take their place
+    o.copy_(o_acc)
+    if lse is not None:
+        lse.copy_(lse_acc)
+
+
 def flash_attention_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -664,7 +712,8 @@ def flash_attention_fwd(
     float32 [B, Sk, Hkv] (any strides): key j is k[:, j] * k_scale[:, j] (longctx.fp8),
     the tiles widened to q's dtype in the kernel and the scales applied per key. head_dim must
     then be a multiple of 16 (TMA's 16-byte alignment of the fp8 rows). v may then be stored
-    key-major (longctx.fp8.key_major_v; `check_key_major`'s layout). Triton kernel only.
+    key-major (longctx.fp8.key_major_v; `check_key_major`'s layout). Where the Hopper rule
+    applies to q, the keys go through the Gluon kernel as dequantized blocks (module docstring).
 
     accumulate (dense only): (o_acc [B, Sq, Hq, D] float32, lse_acc [B, Sq, Hq] float32), a
     running state as `longctx.merge.merge_into` keeps it; the result is merged into it in
@@ -742,7 +791,7 @@ class PrefillPlan:
     """
 
     __slots__ = ("lse_shape", "lse_bytes", "return_lse", "empty",
-                 "offset_copy", "cu_copy", "launch", "hopper")
+                 "offset_copy", "cu_copy", "launch", "hopper", "fp8_blocks")
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: float,
                  causal: bool, q_start: int | torch.Tensor, k_start: int | torch.Tensor,
@@ -752,7 +801,7 @@ class PrefillPlan:
                  config: dict | None, return_lse: bool = True,
                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
         is_varlen = cu_seqlens_q is not None
-        self.launch = self.hopper = None
+        self.launch = self.hopper = self.fp8_blocks = None
         self.return_lse = return_lse
         varlen_max_q = max_seqlen_q  # the Hopper kernel's grid (varlen); None when dense
         if is_varlen:
@@ -804,6 +853,11 @@ class PrefillPlan:
                 and (hopper := _hopper_module()) is not None):
             self.hopper = hopper.HopperLaunch(q, k, v, softmax_scale, causal, accumulate, q_start,
                                               k_start, cu_seqlens_q, cu_seqlens_k, varlen_max_q)
+        # An fp8 k/v: dequantized blocks through the Hopper kernel where its rule applies to q.
+        if (k_scale is not None and q.is_cuda and not _INTERPRET
+                and _fp8_blocks_apply(q, k, causal, config is not None)
+                and _hopper_module() is not None):
+            self.fp8_blocks = (float(softmax_scale), bool(causal))
         block_d = max(next_power_of_2(d), 16)
         # fp32: true fp32 FMA dots (~1e-6 error) instead of TF32; ignored for fp16/bf16.
         input_precision = "ieee" if q.dtype == torch.float32 else "tf32"
@@ -866,6 +920,10 @@ class PrefillPlan:
             if lse is not None:
                 lse.fill_(float("-inf"))
             o.zero_()
+            return o, lse
+        if self.fp8_blocks is not None and _prefill_choice != "triton":
+            _attend_fp8_blocks(q, k, v, k_scale, v_scale, *self.fp8_blocks, q_start, k_start, o,
+                               lse)
             return o, lse
         if cu_seqlens_q is None:
             cu_q = cu_k = q  # dummies, never dereferenced (IS_VARLEN=False)

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from longctx.config import ModelArgs
-from longctx.fp8 import kv_bytes_per_element
+from longctx.fp8 import FP8, kv_bytes_per_element
+from longctx.kernels.prefill import FP8_DEQUANT_KEYS
 from longctx.parallel.mesh import ParallelDims
 
 GiB = float(1 << 30)
@@ -56,6 +57,8 @@ def estimate_memory(args: ModelArgs, *, tp: int, sp: int, batch: int, prompt_len
     float32 accumulator, and a chunk after the first gathers its L queries on every rank and
     returns their partial outputs. Flash attention is assumed on CUDA; the CPU backend's
     reference attention materialises float32 scores [B, Hq, queries, keys] and repeats KV heads.
+    On CUDA an fp8 cache's attention adds a float32 running output and one block of K and V
+    dequantized to the model's dtype (kernels/prefill.py `_attend_fp8_blocks`).
     """
     e = torch.empty((), dtype=dtype).element_size()
     D, dim = args.head_dim, args.dim
@@ -94,6 +97,11 @@ def estimate_memory(args: ModelArgs, *, tp: int, sp: int, batch: int, prompt_len
             # partial outputs, the all-to-all's send and receive buffers.
             cross = 4 * batch * L * hq * D * e + 2 * t * hq * D * e if prompt_len > L else 0
             extra = max(ring, cross)
+        if not cpu and kv_cache_dtype == FP8:
+            # a float32 O and LSE per call; a block's dequantized K and V, and dequantize_kv's
+            # two float32 temporaries of one of them
+            keys = batch * min(prompt_len, FP8_DEQUANT_KEYS) * hkv * D
+            extra += t * hq * (D + 1) * 4 + keys * (2 * e + 8)
         scores = 0
         if cpu:  # [B, Hq, queries, keys] float32, three live, plus K/V repeated to Hq heads
             calls = [(L, prompt_len)] if sp == 1 else [(L // sp, L // sp), (L, prompt_len // sp)]

@@ -238,6 +238,69 @@ def test_prefill_kernel_reads_fp8_history(device, Sq, D):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("D,layout,k_start", [(128, "model", "0"), (96, "usual", "0"),
+                                              (128, "model", "tensor"), (64, "usual", "late")])
+def test_prefill_fp8_blocks_on_the_hopper_kernel(monkeypatch, D, layout, k_start):
+    """On sm_90 a chunk long enough for the Gluon kernel (causal, >= 2048 rows) over an fp8
+    history runs as dequantized key blocks merged by that kernel (kernels/prefill.py
+    `_attend_fp8_blocks`; blocks of 1000 keys here, the last one short): within twice plain
+    bf16 PyTorch's error of the float64 reference on the same dequantized values, through the
+    API's fast path and Triton's, with the model's layout (K and scales head-major, V key-major)
+    or the usual one; k_start an int, a [B] tensor, or 5 past q_start ("late": the first 5 rows
+    see no key, O = 0 and LSE = -inf). The blocks attend to K / V rounded to q's dtype, as plain
+    PyTorch in that dtype does, so their LSE is held to the float64 one on those values (the
+    Triton kernel's, which widens e4m3 exactly, to the float64 one on the dequantized values)."""
+    from longctx.fp8 import model_layout
+    from longctx.kernels import prefill as kp
+    from longctx.kernels.utils import device_capability
+
+    if device_capability(torch.device("cuda")) != (9, 0):
+        pytest.skip("the Gluon prefill kernel runs on sm_90 only")
+    monkeypatch.setattr(kp, "FP8_DEQUANT_KEYS", 1000)
+    calls = []
+    blocks = kp._attend_fp8_blocks
+    monkeypatch.setattr(kp, "_attend_fp8_blocks", lambda *a: calls.append(1) or blocks(*a))
+    g = torch.Generator().manual_seed(4)
+    B, Sq, hist, Hq, Hkv = 2, 2100, 700, 6, 2
+    Sk = hist + Sq
+    k, v = _kv((B, Sk, Hkv, D), g)
+    (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
+    q = torch.randn(B, Sq, Hq, D, generator=g).to(torch.bfloat16)
+    k64, v64 = dequantize_kv(kq, ks, torch.float64), dequantize_kv(vq, vs, torch.float64)
+    kw = dict(causal=True, q_start=hist, k_start=hist + 5 if k_start == "late" else 0)
+    want, want_lse = reference_attention(q.double(), k64, v64, **kw)
+    k16, v16 = k64.to(torch.bfloat16), v64.to(torch.bfloat16)
+    plain, _ = reference_attention(q, k16, v16, **kw, compute_dtype=torch.bfloat16)
+    _, want_lse16 = reference_attention(q.double(), k16.double(), v16.double(), **kw)
+    err_plain = (plain.double() - want).abs().max()
+    cache = tuple(t.cuda() for t in (kq, vq, ks, vs))
+    if layout == "model":
+        cache = model_layout(*cache)
+    kc, vc, ksc, vsc = cache
+    qc = q.cuda()
+    if k_start == "tensor":
+        kw["k_start"] = torch.zeros(B, dtype=torch.int32, device="cuda")
+    for path in ("api", "triton_path"):
+        if path == "api":
+            o, lse = longctx.attention(qc, kc, vc, k_scale=ksc, v_scale=vsc, return_lse=True, **kw)
+        else:
+            o, lse = flash_attention_fwd(qc, kc, vc, softmax_scale=D**-0.5, k_scale=ksc,
+                                         v_scale=vsc, **kw)
+        err = (o.double().cpu() - want).abs().max()
+        assert err <= 2 * err_plain + 1e-6, (path, err, err_plain)
+        torch.testing.assert_close(lse.cpu().double(), want_lse16, rtol=0, atol=2e-3)
+        if k_start == "late":
+            assert (o[:, :5] == 0).all() and (lse[:, :5] == float("-inf")).all()
+    assert len(calls) == 2  # both calls took the blocks
+    with kp.prefill_kernel("triton"):  # the Triton kernel's own fp8 path, as before
+        o_t, lse_t = flash_attention_fwd(qc, kc, vc, softmax_scale=D**-0.5, k_scale=ksc,
+                                         v_scale=vsc, **kw)
+    assert len(calls) == 2
+    assert (o_t.double().cpu() - want).abs().max() <= 2 * err_plain + 1e-6
+    torch.testing.assert_close(lse_t.cpu().double(), want_lse, rtol=0, atol=2e-3)
+
+
+@pytest.mark.gpu
 @pytest.mark.interpreter
 @pytest.mark.parametrize("q_mag,v_mag", [(1.0, 1e-4), (1.0, 1e4), (1e-6, 1.0), (1e5, 1.0)])
 def test_decode_fp8_any_magnitude(device, q_mag, v_mag):
@@ -522,6 +585,16 @@ def test_kv_cache_dtype_config_and_memory():
     assert 1.9 < n_fp8 / n_bf16 < 2 / (1 + 4 / 128) + 0.01
     assert args.decode_bytes(1, 1000, 2, 1 + 4 / 128)["kv_cache"] == \
         args.decode_bytes(1, 1000, 2)["kv_cache"] * (1 + 4 / 128) / 2
+    # A real prefill on CUDA: an fp8 cache's attention holds at least a float32 running output
+    # of the chunk and one dequantized block of K and V (kernels/prefill.py); not on the CPU.
+    from longctx.kernels.prefill import FP8_DEQUANT_KEYS
+
+    for device_type, least in (("cuda", 8192 * 32 * 128 * 4 + 2 * FP8_DEQUANT_KEYS * 4 * 128 * 2),
+                               ("cpu", 0)):
+        real = dict(kw, prompt_len=262144, prefill_chunk=8192, device_type=device_type)
+        grow = (estimate_memory(args, **real, kv_cache_dtype=FP8).activations
+                - estimate_memory(args, **real).activations)
+        assert grow >= least and (grow > 0) == (device_type == "cuda"), (device_type, grow)
 
 
 def test_model_fp8_cache_prefill_decode_and_synthetic_fill():

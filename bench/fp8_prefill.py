@@ -1,0 +1,67 @@
+"""A prefill chunk's attention over a long fp8 history, three ways on one GPU: `longctx.attention`
+on the fp8 cache in the model's layout (on an H100 / H200 the history dequantized a block of keys
+at a time through the Gluon kernel, kernels/prefill.py `_attend_fp8_blocks`), the same call on the
+Triton kernel's fp8 path (`prefill_kernel("triton")`: e4m3 tiles widened in registers), and
+`longctx.attention` on the bf16 values. CodeLlama-34B's heads on one GPU (64 / 8, D=128), a chunk
+of 8192 queries, causal by absolute position at the end of the history; ms and TFLOPS (causal
+FLOPs), the fp8 outputs' max difference from the bf16 call's.
+
+    python bench/fp8_prefill.py [--keys 16384 65536 262144]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch"))
+from bench import bench_ms  # noqa: E402
+
+import longctx  # noqa: E402
+from longctx.fp8 import dequantize_kv, model_layout, quantize_kv  # noqa: E402
+from longctx.kernels.prefill import prefill_kernel  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--keys", type=int, nargs="+", default=[16384, 65536, 262144])
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    hq, hkv, d, L = 64, 8, 128, 8192
+    print(torch.cuda.get_device_name())
+    for N in args.keys:
+        q = torch.randn(1, L, hq, d, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(1, N, hkv, d, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        (k8, ks), (v8, vs) = quantize_kv(k), quantize_kv(v)
+        k8, v8, ks, vs = model_layout(k8, v8, ks, vs)
+        kd, vd = dequantize_kv(k8, ks, torch.bfloat16), dequantize_kv(v8, vs, torch.bfloat16)
+        kw = dict(causal=True, q_start=N - L)
+
+        def f_fp8():
+            return longctx.attention(q, k8, v8, k_scale=ks, v_scale=vs, **kw)
+
+        def f_bf16():
+            return longctx.attention(q, kd, vd, **kw)
+
+        def f_tri():
+            with prefill_kernel("triton"):
+                return longctx.attention(q, k8, v8, k_scale=ks, v_scale=vs, **kw)
+
+        ob = f_bf16().float()
+        e8, et = ((f().float() - ob).abs().max().item() for f in (f_fp8, f_tri))
+        flops = 4 * hq * L * d * (N - L / 2)
+        t8, tb, tt = (bench_ms(f, 20, 200) for f in (f_fp8, f_bf16, f_tri))
+        print(f"N={N}: fp8 (blocks) {t8:.2f} ms ({flops / t8 / 1e9:.0f} TFLOPS, diff {e8:.1e}) | "
+              f"fp8 Triton kernel {tt:.2f} ms ({flops / tt / 1e9:.0f}, diff {et:.1e}) | bf16 "
+              f"{tb:.2f} ms ({flops / tb / 1e9:.0f}) | blocks/bf16 {t8 / tb:.3f}x, "
+              f"Triton/blocks {tt / t8:.2f}x", flush=True)
+        del q, k, v, k8, v8, ks, vs, kd, vd
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
