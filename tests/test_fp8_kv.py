@@ -238,6 +238,46 @@ def test_prefill_kernel_reads_fp8_history(device, Sq, D):
 
 
 @pytest.mark.gpu
+@pytest.mark.interpreter
+@pytest.mark.parametrize("k_start", ["0", "tensor", "late"])
+def test_fp8_blocks_merge_to_the_whole_history(device, monkeypatch, k_start):
+    """kernels/prefill.py `_attend_fp8_blocks` itself (what a long enough chunk over an fp8
+    history runs on sm_90), on the `device` fixture: blocks of 40 keys over 130 (the last one
+    short), each block's offset, rows that see no key ("late": k_start 3 past q_start, O = 0 and
+    LSE = -inf). O within twice plain PyTorch's error of the float64 reference on the exact
+    dequantized values; the LSE to the float64 one on the values rounded to q's dtype, which the
+    blocks attend to."""
+    from longctx.kernels import prefill as kp
+
+    monkeypatch.setattr(kp, "FP8_DEQUANT_KEYS", 40)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float16
+    g = torch.Generator().manual_seed(5)
+    B, Sq, Sk, Hq, Hkv, D = 2, 37, 130, 6, 2, 32
+    k, v = _kv((B, Sk, Hkv, D), g)
+    (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
+    q = torch.randn(B, Sq, Hq, D, generator=g).to(dtype)
+    kw = dict(causal=True, q_start=Sk - Sq, k_start=Sk - Sq + 3 if k_start == "late" else 0)
+    k64, v64 = dequantize_kv(kq, ks, torch.float64), dequantize_kv(vq, vs, torch.float64)
+    want, _ = reference_attention(q.double(), k64, v64, **kw)
+    k16, v16 = k64.to(dtype), v64.to(dtype)
+    plain, _ = reference_attention(q, k16, v16, **kw, compute_dtype=dtype)
+    _, want_lse = reference_attention(q.double(), k16.double(), v16.double(), **kw)
+    if k_start == "tensor":
+        kw["k_start"] = torch.zeros(B, dtype=torch.int64, device=device)
+    o = torch.empty(q.shape, dtype=dtype, device=device)
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=device)
+    to = functools.partial(torch.Tensor.to, device=device)
+    kp._attend_fp8_blocks(to(q), to(kq), to(vq), to(ks), to(vs), D**-0.5, True,
+                          kw["q_start"], kw["k_start"], o, lse)
+    err, err_plain = ((o.double().cpu() - want).abs().max(), (plain.double() - want).abs().max())
+    assert err <= 2 * err_plain + 1e-6, (err, err_plain)
+    torch.testing.assert_close(lse.cpu().double(), want_lse, rtol=0, atol=2e-3)
+    if k_start == "late":
+        assert (o[:, :3] == 0).all() and (lse[:, :3] == float("-inf")).all()
+        assert (lse[:, 3:] > float("-inf")).all()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("D,layout,k_start", [(128, "model", "0"), (96, "usual", "0"),
                                               (128, "model", "tensor"), (64, "usual", "late")])
 def test_prefill_fp8_blocks_on_the_hopper_kernel(monkeypatch, D, layout, k_start):
