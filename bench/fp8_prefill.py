@@ -4,7 +4,9 @@ at a time through the Gluon kernel, kernels/prefill.py `_attend_fp8_blocks`), th
 Triton kernel's fp8 path (`prefill_kernel("triton")`: e4m3 tiles widened in registers), and
 `longctx.attention` on the bf16 values. CodeLlama-34B's heads on one GPU (64 / 8, D=128), a chunk
 of 8192 queries, causal by absolute position at the end of the history; ms and TFLOPS (causal
-FLOPs), the fp8 outputs' max difference from the bf16 call's.
+FLOPs), the fp8 outputs' max difference from the bf16 call's. Also the dequantization of the
+whole history's K (the blocks' copies): torch's `longctx.fp8.dequantize_kv` against the kernel
+(`longctx.ops.dequantize_kv` on CUDA), with its bytes' time at the GPU's read bandwidth.
 
     python bench/fp8_prefill.py [--keys 16384 65536 262144]
 """
@@ -21,7 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch"))
 from bench import bench_ms  # noqa: E402
 
 import longctx  # noqa: E402
+from longctx import ops  # noqa: E402
 from longctx.fp8 import dequantize_kv, model_layout, quantize_kv  # noqa: E402
+from longctx.hardware import read_bandwidth  # noqa: E402
 from longctx.kernels.prefill import prefill_kernel  # noqa: E402
 
 
@@ -32,6 +36,7 @@ def main() -> None:
     torch.manual_seed(0)
     hq, hkv, d, L = 64, 8, 128, 8192
     print(torch.cuda.get_device_name())
+    bw = read_bandwidth(torch.device("cuda"))[0]
     for N in args.keys:
         q = torch.randn(1, L, hq, d, device="cuda", dtype=torch.bfloat16)
         k = torch.randn(1, N, hkv, d, device="cuda", dtype=torch.bfloat16)
@@ -59,6 +64,13 @@ def main() -> None:
               f"fp8 Triton kernel {tt:.2f} ms ({flops / tt / 1e9:.0f}, diff {et:.1e}) | bf16 "
               f"{tb:.2f} ms ({flops / tb / 1e9:.0f}) | blocks/bf16 {t8 / tb:.3f}x, "
               f"Triton/blocks {tt / t8:.2f}x", flush=True)
+        assert torch.equal(ops.dequantize_kv(k8, ks, torch.bfloat16), kd)
+        assert torch.equal(ops.dequantize_kv(v8, vs, torch.bfloat16), vd)
+        td, tk = (bench_ms(lambda: f(k8, ks, torch.bfloat16), 20, 200)
+                  for f in (dequantize_kv, ops.dequantize_kv))
+        floor = k8.numel() * 3 / bw * 1e3  # e4m3 in, bf16 out
+        print(f"  dequantize K ({k8.numel() * 3 / 1e6:.0f} MB moved): torch {td:.2f} ms | kernel "
+              f"{tk:.3f} ms (bit for bit; {floor:.3f} ms at the read bandwidth)", flush=True)
         del q, k, v, k8, v8, ks, vs, kd, vd
         torch.cuda.empty_cache()
 

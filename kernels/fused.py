@@ -195,6 +195,17 @@ def _div_rows(a, b):
 
 
 @triton.jit
+def _head_tile(bh, j, H, SEQ, BLOCK_S: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    # The tile of program (bh = b * H + h, j) over one head's tokens: (b, h, rows [BLOCK_S] int64,
+    # offs_d [BLOCK_D], mask [BLOCK_S, BLOCK_D]) for tokens [j BLOCK_S, (j + 1) BLOCK_S) < SEQ.
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    rows = j.to(tl.int64) * BLOCK_S + tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    return b, h, rows, offs_d, _cols_mask((rows < SEQ)[:, None], D, BLOCK_D)
+
+
+@triton.jit
 def _store_fp8_kernel(X, Y, S, stride_xb, stride_xs, stride_xh, stride_yb, stride_ys, stride_yh,
                       stride_yd, stride_sb, stride_ss, stride_sh, SEQ, H, BLOCK_H: tl.constexpr,
                       D: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr):
@@ -230,19 +241,14 @@ def _store_fp8_keys_kernel(X, Y, S, stride_xb, stride_xs, stride_xh, stride_yb, 
     # BLOCK_S keys (one program per token would store every byte alone: a prefill chunk's
     # write scattered over D rows).
     pdl_wait(USE_PDL)
-    bh = tl.program_id(0)
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
-    offs_s = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    mask = _cols_mask((offs_s < SEQ)[:, None], D, BLOCK_D)
-    rows = offs_s.to(tl.int64)
+    b, h, rows, offs_d, mask = _head_tile(tl.program_id(0), tl.program_id(1), H, SEQ, BLOCK_S, D,
+                                          BLOCK_D)
     x = tl.load(X + b * stride_xb + h * stride_xh + rows[:, None] * stride_xs + offs_d[None, :],
                 mask=mask, other=0.0).to(tl.float32)
     scale, div = _fp8_scale(tl.max(tl.abs(x), axis=1))
     y = Y + b * stride_yb + h * stride_yh + offs_d[None, :].to(tl.int64) * stride_yd + rows[:, None]
     tl.store(y, _div_rows(x, div).to(Y.dtype.element_ty), mask=mask)
-    tl.store(S + b * stride_sb + h * stride_sh + rows * stride_ss, scale, mask=offs_s < SEQ)
+    tl.store(S + b * stride_sb + h * stride_sh + rows * stride_ss, scale, mask=rows < SEQ)
 
 
 def store_fp8(dst: torch.Tensor, dst_scale: torch.Tensor, x: torch.Tensor) -> None:
@@ -265,6 +271,45 @@ def store_fp8(dst: torch.Tensor, dst_scale: torch.Tensor, x: torch.Tensor) -> No
         dst.stride(2), dst.stride(3), *dst_scale.stride(), S, H,
         BLOCK_H=next_power_of_2(H), D=D, BLOCK_D=next_power_of_2(D),
         num_warps=4 if H * D >= 2048 else 2, **pdl_launch(x.device))
+
+
+@triton.jit
+def _dequantize_fp8_kernel(X, S, Y, stride_xb, stride_xs, stride_xh, stride_xd, stride_sb,
+                           stride_ss, stride_sh, SEQ, H, BLOCK_S: tl.constexpr, D: tl.constexpr,
+                           BLOCK_D: tl.constexpr):
+    # Program (j, b * H + h): tokens [j BLOCK_S, (j + 1) BLOCK_S) of head h, x * scale in float32
+    # rounded to Y's dtype (longctx.fp8.dequantize_kv's rule, so bit for bit), into Y contiguous
+    # [B, SEQ, H, D]. X takes any strides; a unit one (D's, or a key-major V's tokens) is
+    # specialised, so the loads run along it and the tile is transposed on chip for the store.
+    b, h, rows, offs_d, mask = _head_tile(tl.program_id(1), tl.program_id(0), H, SEQ, BLOCK_S, D,
+                                          BLOCK_D)
+    x = tl.load(X + b * stride_xb + h * stride_xh + rows[:, None] * stride_xs
+                + offs_d[None, :].to(tl.int64) * stride_xd, mask=mask, other=0.0)
+    scale = tl.load(S + b * stride_sb + h * stride_sh + rows * stride_ss, mask=rows < SEQ,
+                    other=0.0)
+    y = x.to(tl.float32) * scale[:, None]
+    tl.store(Y + ((b * SEQ + rows[:, None]) * H + h) * D + offs_d[None, :],
+             y.to(Y.dtype.element_ty), mask=mask)
+
+
+def dequantize_fp8(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out = longctx.fp8.dequantize_kv(x, scale, out.dtype), bit for bit, in one pass with no
+    float32 temporaries: x [B, S, H, D] float8_e4m3fn (any strides: the model's head-major K or
+    key-major V), scale [B, S, H] float32 (any strides), out contiguous [B, S, H, D] (float16,
+    bfloat16 or float32). Returns out."""
+    B, S, H, D = x.shape
+    if out.shape != x.shape or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous of x's shape {tuple(x.shape)}, got "
+                         f"{tuple(out.shape)} with strides {out.stride()}")
+    if B * S == 0:
+        return out
+    block_d = next_power_of_2(D)
+    # 16384 elements a program: 128 keys at D = 128, whole 128-byte lines of a key-major V
+    block_s = max(32, 16384 // block_d)
+    _dequantize_fp8_kernel[(cdiv(S, block_s), B * H)](
+        x, scale, out, *x.stride(), *scale.stride(), S, H, BLOCK_S=block_s, D=D,
+        BLOCK_D=block_d, num_warps=8)
+    return out
 
 
 @triton.jit

@@ -45,11 +45,12 @@ does every call with ``LONGCTX_PREFILL_KERNEL=triton`` in the environment at imp
 ``prefill_kernel("triton")`` (A/B runs), under the interpreter, with ``_config``, on other GPUs.
 
 A dense fp8 k/v where that rule applies to q (`_fp8_blocks_apply`) runs the Gluon kernel too:
-its keys dequantized to q's dtype FP8_DEQUANT_KEYS at a time (longctx.fp8.dequantize_kv), each
-block merged into a float32 running state by the kernel's accumulating epilogue
-(`_attend_fp8_blocks`). The Triton kernel, widening e4m3 tiles in registers, took 2.7x the
-Gluon kernel's time on the same values in bf16 (a chunk of 8192 queries over 262144 keys, 64/8
-heads, one H200: 298 against 112 ms); the blocks take 115 ms (BENCHMARKS.md, fp8 section).
+its keys dequantized to q's dtype FP8_DEQUANT_KEYS at a time (kernels/fused.py dequantize_fp8,
+longctx.fp8.dequantize_kv's values) into one reused buffer each for K and V, each block merged
+into a float32 running state by the kernel's accumulating epilogue (`_attend_fp8_blocks`). The
+Triton kernel, widening e4m3 tiles in registers, took 2.7x the Gluon kernel's time on the same
+values in bf16 (a chunk of 8192 queries over 262144 keys, 64/8 heads, one H200: 298 against 113
+ms); the blocks take 111 ms (BENCHMARKS.md, fp8 section).
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ import triton.language as tl
 
 from longctx.backend import interpreter_active
 from longctx.checks import check_accumulator
-from longctx.fp8 import check_key_major, dequantize_kv, is_key_major
+from longctx.fp8 import check_key_major, is_key_major
+from longctx.kernels.fused import dequantize_fp8
 from longctx.kernels.launch import Launch, stream_scratch
 from longctx.kernels.merge import _rescale, _state_lse
 from longctx.kernels.utils import cdiv, device_capability, next_power_of_2
@@ -655,24 +657,33 @@ def _fp8_blocks_apply(q: torch.Tensor, k: torch.Tensor, causal: bool, config_giv
 def _attend_fp8_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor,
                        v_scale: torch.Tensor, softmax_scale: float, causal: bool,
                        q_start: int | torch.Tensor, k_start: int | torch.Tensor,
-                       o: torch.Tensor, lse: torch.Tensor | None) -> None:
-    """A dense fp8 call's O into o (q's dtype) and LSE into lse (float32, unless None): k / v
-    dequantized to q's dtype FP8_DEQUANT_KEYS keys at a time, each block attended by
-    `flash_attention_fwd` merging into a float32 running state (its accumulating epilogue, the
-    merge layer's rule). Rows that see no key end with O = 0 and LSE = -inf, as the running state
-    starts."""
-    o_acc = torch.zeros(o.shape, dtype=torch.float32, device=q.device)
-    lse_acc = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
-    for s0 in range(0, k.shape[1], FP8_DEQUANT_KEYS):
-        s1 = min(k.shape[1], s0 + FP8_DEQUANT_KEYS)
-        kb = dequantize_kv(k[:, s0:s1], k_scale[:, s0:s1], q.dtype)
-        vb = dequantize_kv(v[:, s0:s1], v_scale[:, s0:s1], q.dtype)
-        flash_attention_fwd(q, kb, vb, softmax_scale=softmax_scale, causal=causal,
-                            q_start=q_start, k_start=k_start + s0, accumulate=(o_acc, lse_acc))
-        del kb, vb  # the next block's copies take their place
-    o.copy_(o_acc)
-    if lse is not None:
-        lse.copy_(lse_acc)
+                       accumulate: tuple[torch.Tensor, torch.Tensor] | None
+                       ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A dense fp8 call, as `flash_attention_fwd`'s contract says: (O in q's dtype, LSE float32),
+    or None with the result merged into `accumulate`. k / v are dequantized to q's dtype
+    FP8_DEQUANT_KEYS keys at a time (`dequantize_fp8`, into one reused buffer each), each block
+    attended by `flash_attention_fwd` and merged into a float32 running state by its
+    accumulating epilogue (the merge layer's rule): `accumulate`'s, or a fresh one (O = 0, LSE =
+    -inf, what rows that see no key end with) when there is more than one block."""
+    b, sk, hkv, d = k.shape
+    n_blocks = cdiv(sk, FP8_DEQUANT_KEYS)
+    acc = accumulate
+    if acc is None and n_blocks > 1:
+        acc = (torch.zeros(q.shape, dtype=torch.float32, device=q.device),
+               torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device))
+    # Block j's copies are written after block j - 1's attention has read them, in stream order.
+    kbuf, vbuf = torch.empty((2, b * min(sk, FP8_DEQUANT_KEYS) * hkv * d), dtype=q.dtype,
+                             device=q.device)
+    for s0 in range(0, sk, FP8_DEQUANT_KEYS):
+        n = min(sk - s0, FP8_DEQUANT_KEYS)
+        kb, vb = (buf[:b * n * hkv * d].view(b, n, hkv, d) for buf in (kbuf, vbuf))
+        dequantize_fp8(k[:, s0:s0 + n], k_scale[:, s0:s0 + n], kb)
+        dequantize_fp8(v[:, s0:s0 + n], v_scale[:, s0:s0 + n], vb)
+        out = flash_attention_fwd(q, kb, vb, softmax_scale=softmax_scale, causal=causal,
+                                  q_start=q_start, k_start=k_start + s0, accumulate=acc)
+    if accumulate is not None:
+        return None
+    return out if acc is None else (acc[0].to(q.dtype), acc[1])
 
 
 def flash_attention_fwd(
@@ -906,6 +917,9 @@ class PrefillPlan:
         if hopper is not None and ((q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15
                                    or _prefill_choice == "triton"):
             hopper = None
+        if self.fp8_blocks is not None and self.launch is not None and _prefill_choice != "triton":
+            return _attend_fp8_blocks(q, k, v, k_scale, v_scale, *self.fp8_blocks, q_start,
+                                      k_start, accumulate)
         if accumulate is None:
             # o is shaped like q in q's dtype: empty_like parses its arguments in half torch.empty's
             # time.
@@ -920,10 +934,6 @@ class PrefillPlan:
             if lse is not None:
                 lse.fill_(float("-inf"))
             o.zero_()
-            return o, lse
-        if self.fp8_blocks is not None and _prefill_choice != "triton":
-            _attend_fp8_blocks(q, k, v, k_scale, v_scale, *self.fp8_blocks, q_start, k_start, o,
-                               lse)
             return o, lse
         if cu_seqlens_q is None:
             cu_q = cu_k = q  # dummies, never dereferenced (IS_VARLEN=False)

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from longctx.backend import use_triton_for
+from longctx.fp8 import dequantize_kv as fp8_dequantize_kv
 from longctx.fp8 import is_key_major, quantize_kv
 from longctx.rope import RopeScaling, attention_factor, inv_freq
 
@@ -185,6 +186,17 @@ def store_fp8(dst: torch.Tensor, dst_scale: torch.Tensor, x: torch.Tensor) -> No
     x_fp8, scale = quantize_kv(x)
     dst.copy_(x_fp8)
     dst_scale.copy_(scale)
+
+
+def dequantize_kv(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """longctx.fp8.dequantize_kv(x, scale, dtype): x [B, S, H, D] float8_e4m3fn (any strides),
+    scale [B, S, H] float32 -> contiguous [B, S, H, D] in dtype. On CUDA one kernel, bit for bit
+    the same, with no float32 temporaries."""
+    if use_triton_for(x) and dtype != torch.float64:
+        from longctx.kernels.fused import dequantize_fp8
+
+        return dequantize_fp8(x, scale, torch.empty(x.shape, dtype=dtype, device=x.device))
+    return fp8_dequantize_kv(x, scale, dtype)
 
 
 def _rope_store_kernel_takes(k_cache: torch.Tensor, v_cache: torch.Tensor,

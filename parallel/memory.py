@@ -98,10 +98,9 @@ def estimate_memory(args: ModelArgs, *, tp: int, sp: int, batch: int, prompt_len
             cross = 4 * batch * L * hq * D * e + 2 * t * hq * D * e if prompt_len > L else 0
             extra = max(ring, cross)
         if not cpu and kv_cache_dtype == FP8:
-            # a float32 O and LSE per call; a block's dequantized K and V, and dequantize_kv's
-            # two float32 temporaries of one of them
+            # a float32 O and LSE per call, and one block's dequantized K and V
             keys = batch * min(prompt_len, FP8_DEQUANT_KEYS) * hkv * D
-            extra += t * hq * (D + 1) * 4 + keys * (2 * e + 8)
+            extra += t * hq * (D + 1) * 4 + keys * 2 * e
         scores = 0
         if cpu:  # [B, Hq, queries, keys] float32, three live, plus K/V repeated to Hq heads
             calls = [(L, prompt_len)] if sp == 1 else [(L // sp, L // sp), (L, prompt_len // sp)]

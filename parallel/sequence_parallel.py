@@ -24,9 +24,9 @@ import torch
 import torch.distributed as dist
 
 from longctx.config import check_chunk
-from longctx.fp8 import dequantize_kv
 from longctx.merge import merge_states, merge_states_group
 from longctx.model import KVCache, Transformer, chunk_spans
+from longctx.ops import dequantize_kv
 from longctx.parallel.ring import ring_attention, shard_chunks, shard_sequence
 
 LAYOUT = "zigzag"  # ring prefill's layout: rank r holds chunks r and 2sp-1-r (balanced causal work)

@@ -20,6 +20,7 @@ from longctx.fp8 import FP8, dequantize_kv, quantize_kv, resolve_kv_cache_dtype
 from longctx.kernels.decode import flash_decode
 from longctx.kernels.prefill import flash_attention_fwd
 from longctx.kernels.utils import FP_FUSION
+from longctx.merge import merge_states
 from longctx.model import Transformer
 from longctx.parallel.memory import estimate_memory, largest_context
 from longctx.reference import reference_attention
@@ -264,17 +265,26 @@ def test_fp8_blocks_merge_to_the_whole_history(device, monkeypatch, k_start):
     _, want_lse = reference_attention(q.double(), k16.double(), v16.double(), **kw)
     if k_start == "tensor":
         kw["k_start"] = torch.zeros(B, dtype=torch.int64, device=device)
-    o = torch.empty(q.shape, dtype=dtype, device=device)
-    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=device)
     to = functools.partial(torch.Tensor.to, device=device)
-    kp._attend_fp8_blocks(to(q), to(kq), to(vq), to(ks), to(vs), D**-0.5, True,
-                          kw["q_start"], kw["k_start"], o, lse)
+    args = (to(q), to(kq), to(vq), to(ks), to(vs), D**-0.5, True, kw["q_start"], kw["k_start"])
+    o, lse = kp._attend_fp8_blocks(*args, None)
+    assert o.dtype == dtype and lse.dtype == torch.float32
     err, err_plain = ((o.double().cpu() - want).abs().max(), (plain.double() - want).abs().max())
     assert err <= 2 * err_plain + 1e-6, (err, err_plain)
     torch.testing.assert_close(lse.cpu().double(), want_lse, rtol=0, atol=2e-3)
     if k_start == "late":
         assert (o[:, :3] == 0).all() and (lse[:, :3] == float("-inf")).all()
         assert (lse[:, 3:] > float("-inf")).all()
+    # Merged into a caller's running state (a ring step's `accumulate`): the blocks fold into
+    # it, as merging their (O, LSE) into it would, rather than replacing it.
+    o_run = torch.randn(q.shape, generator=g)
+    lse_run = torch.randn(q.shape[:3], generator=g)
+    want_o, want_l = merge_states(torch.stack([o_run.double(), want]),
+                                  torch.stack([lse_run.double(), want_lse]))
+    acc = (to(o_run), to(lse_run))
+    assert kp._attend_fp8_blocks(*args, acc) is None
+    assert (acc[0].cpu().double() - want_o).abs().max() <= 2 * err_plain + 1e-6
+    torch.testing.assert_close(acc[1].cpu().double(), want_l, rtol=0, atol=2e-3)
 
 
 @pytest.mark.gpu
@@ -416,6 +426,52 @@ def test_store_kernels_match_the_rule_bit_for_bit():
         assert torch.equal(cache.view(torch.uint8)[b, pos].cpu(), want.view(torch.uint8))
         assert torch.equal(scale[b, pos].cpu(), want_s)
         assert scale.count_nonzero() == (want_s != 0).sum()  # nothing else written
+
+
+@pytest.mark.gpu
+@pytest.mark.interpreter
+@pytest.mark.parametrize("D", [64, 96])
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
+def test_dequantize_kernel_matches_the_rule_bit_for_bit(device, D):
+    """kernels/fused.py dequantize_fp8 (what the fp8 blocks of a prefill chunk and a
+    sequence-parallel chunk read through) writes longctx.fp8.dequantize_kv's values bit for bit:
+    every finite e4m3 byte, scales from 0 and 1e-30 (products below the output's subnormals) to
+    1e30 (past float16's range), an odd length, the usual layout and the model's (K and scales
+    head-major, V key-major), into float16 / float32, and bfloat16 on the GPU (the interpreter's
+    bfloat16 is not the hardware's). Refuses an out it cannot fill, naming it."""
+    from longctx import ops
+    from longctx.fp8 import model_layout
+    from longctx.kernels.fused import dequantize_fp8
+
+    g = torch.Generator().manual_seed(6)
+    B, S, H = 2, 77, 3
+    finite = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
+    pick = torch.randint(0, finite.numel(), (2, B, S, H, D), generator=g)
+    kq, vq = finite[pick].view(FP8)
+    ks, vs = torch.exp2(torch.randint(-12, 4, (2, B, S, H), generator=g).float()) * (
+        1 + torch.rand(2, B, S, H, generator=g))
+    ks[0, :3] = torch.tensor([0.0, 1e-30, 1e30])[:, None]
+    vs[1, -3:] = torch.tensor([1e30, 0.0, 1e-30])[:, None]
+    cache = tuple(t.to(device) for t in (kq, vq, ks, vs))
+    dtypes = [torch.float16, torch.float32] + ([torch.bfloat16] if device == "cuda" else [])
+    for layout in ("usual", "model"):
+        kc, vc, ksc, vsc = cache if layout == "usual" else model_layout(*cache)
+        for dtype in dtypes:
+            for x, sc, x_cpu, sc_cpu in ((kc, ksc, kq, ks), (vc, vsc, vq, vs)):
+                want = dequantize_kv(x_cpu, sc_cpu, dtype)
+                out = torch.full(x.shape, float("nan"), dtype=dtype, device=device)
+                assert dequantize_fp8(x, sc, out) is out
+                assert torch.equal(out.cpu().view(torch.uint8), want.view(torch.uint8)), (
+                    layout, dtype)
+                got = ops.dequantize_kv(x[:, 5:6], sc[:, 5:6], dtype)  # one key, a view
+                assert got.is_contiguous()
+                assert torch.equal(got.cpu().view(torch.uint8), want[:, 5:6].view(torch.uint8))
+    empty = torch.empty(B, 0, H, D, dtype=torch.float16, device=device)
+    assert dequantize_fp8(kc[:, :0], ksc[:, :0], empty) is empty
+    with pytest.raises(ValueError, match="out must be contiguous"):
+        dequantize_fp8(kc, ksc, torch.empty(B, S, H, D, device=device).transpose(1, 2))
+    with pytest.raises(ValueError, match="out must be contiguous"):
+        dequantize_fp8(kc, ksc, torch.empty(B, S - 1, H, D, device=device))
 
 
 @pytest.mark.gpu
