@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from longctx.fp8 import is_key_major
+from longctx.fp8 import FP8, is_key_major
 from longctx.kernels.utils import cdiv, next_power_of_2, pdl_launch, pdl_wait
 
 
@@ -298,6 +298,11 @@ def dequantize_fp8(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> t
     key-major V), scale [B, S, H] float32 (any strides), out contiguous [B, S, H, D] (float16,
     bfloat16 or float32). Returns out."""
     B, S, H, D = x.shape
+    if x.dtype != FP8:
+        raise ValueError(f"x must be float8_e4m3fn (an fp8 cache), got {x.dtype}")
+    if scale.shape != x.shape[:3]:
+        raise ValueError(f"scale must be [B, S, H] = {list(x.shape[:3])} (one per token and head "
+                         f"of x), got {list(scale.shape)}")
     if out.shape != x.shape or not out.is_contiguous():
         raise ValueError(f"out must be contiguous of x's shape {tuple(x.shape)}, got "
                          f"{tuple(out.shape)} with strides {out.stride()}")

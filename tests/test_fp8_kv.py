@@ -438,7 +438,7 @@ def test_dequantize_kernel_matches_the_rule_bit_for_bit(device, D):
     every finite e4m3 byte, scales from 0 and 1e-30 (products below the output's subnormals) to
     1e30 (past float16's range), an odd length, the usual layout and the model's (K and scales
     head-major, V key-major), into float16 / float32, and bfloat16 on the GPU (the interpreter's
-    bfloat16 is not the hardware's). Refuses an out it cannot fill, naming it."""
+    bfloat16 is not the hardware's). Refuses an x, scale or out it cannot take, naming it."""
     from longctx import ops
     from longctx.fp8 import model_layout
     from longctx.kernels.fused import dequantize_fp8
@@ -472,6 +472,10 @@ def test_dequantize_kernel_matches_the_rule_bit_for_bit(device, D):
         dequantize_fp8(kc, ksc, torch.empty(B, S, H, D, device=device).transpose(1, 2))
     with pytest.raises(ValueError, match="out must be contiguous"):
         dequantize_fp8(kc, ksc, torch.empty(B, S - 1, H, D, device=device))
+    with pytest.raises(ValueError, match="scale must be"):
+        dequantize_fp8(kc, ksc[:, 1:], torch.empty(B, S, H, D, device=device))
+    with pytest.raises(ValueError, match="x must be float8_e4m3fn"):
+        dequantize_fp8(out, ksc, torch.empty(B, S, H, D, device=device))
 
 
 @pytest.mark.gpu
