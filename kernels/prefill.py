@@ -44,13 +44,15 @@ one). Everything else runs the Triton kernel below, and so
 does every call with ``LONGCTX_PREFILL_KERNEL=triton`` in the environment at import or inside
 ``prefill_kernel("triton")`` (A/B runs), under the interpreter, with ``_config``, on other GPUs.
 
-A dense fp8 k/v where that rule applies to q (`_fp8_blocks_apply`) runs the Gluon kernel too:
-its keys dequantized to q's dtype FP8_DEQUANT_KEYS at a time (kernels/fused.py dequantize_fp8,
+A dense fp8 k/v runs as dequantized blocks where that measured faster (`fp8_blocks_apply`): its
+keys dequantized to q's dtype FP8_DEQUANT_KEYS at a time (kernels/fused.py dequantize_fp8,
 longctx.fp8.dequantize_kv's values) into one reused buffer each for K and V, each block merged
 into a float32 running state by the kernel's accumulating epilogue (`_attend_fp8_blocks`). The
-Triton kernel, widening e4m3 tiles in registers, took 2.7x the Gluon kernel's time on the same
-values in bf16 (a chunk of 8192 queries over 262144 keys, 64/8 heads, one H200: 298 against 113
-ms); the blocks take 111 ms (BENCHMARKS.md, fp8 section).
+blocks go to the Gluon kernel where its rule applies to q, else (on sm_90, from 16384 keys) to
+the Triton kernel. The Triton kernel widening e4m3 tiles in
+registers took 2.7x the Gluon kernel's time on the same values in bf16 (a chunk of 8192 queries
+over 262144 keys, 64/8 heads, one H200: 298 against 113 ms; the blocks take 111 ms), and 1.1-4.0x
+the blocks through itself (BENCHMARKS.md, fp8 section).
 """
 
 from __future__ import annotations
@@ -636,22 +638,44 @@ def _hopper_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
         config_given=config_given, num_seqs=cu_seqlens_q.numel() - 1 if varlen else None)
 
 
-# Keys per dequantized block of an fp8 k/v on the Gluon kernel (`_attend_fp8_blocks`): the copy
-# is 2 x keys x Hkv x D elements of q's dtype; 32768 and 65536 keys measured alike (115.5 / 115.3
+# Keys per dequantized block of an fp8 k/v (`_attend_fp8_blocks`): the copy is 2 x keys x Hkv x
+# D elements of q's dtype; 32768 and 65536 keys measured alike on the Gluon kernel (115.5 / 115.3
 # ms at 262144 keys, bench/results/fp8-prefill-blocks-h200.txt).
 FP8_DEQUANT_KEYS = 32768
+# Keys from which the dequantized blocks through the Triton kernel measured faster than that
+# kernel widening the e4m3 tiles in registers at every row count (one H200, D=64/128/256, 64/8,
+# 16/2 and 32/32 heads, 16-8192 rows causal at the end of the keys: 1.1-4.0x;
+# bench/results/fp8-prefill-blocks-h200.txt, part 5). Below, the blocks' two extra launches and
+# each block's call plan cost about what the widening does (4096 keys: 0.6-2.3x, varying from run
+# to run) or more (1024 keys: 0.4-0.7x). sm_90 only, where it was measured: wgmma reads K and V
+# from shared memory, so widened tiles go back there; an Ada GPU's mma.sync widens in registers.
+_FP8_BLOCKS_MIN_KEYS = 16384
 
 
-def _fp8_blocks_apply(q: torch.Tensor, k: torch.Tensor, causal: bool, config_given: bool) -> bool:
-    """Whether a dense fp8 call on a CUDA q runs as dequantized blocks through the Hopper kernel:
-    `hopper_kernel_applies` for q with contiguous k / v blocks of q's dtype."""
-    b, sk, hkv, d = k.shape
+def fp8_blocks_apply(*, q_shape: tuple[int, ...], k_shape: tuple[int, ...],
+                     q_strides: tuple[int, ...], dtype: torch.dtype,
+                     capability: tuple[int, int] | None, causal: bool, config_given: bool,
+                     gluon: bool = True) -> bool:
+    """Whether a dense fp8 call (q [B, Sq, Hq, D] in `dtype`, k [B, Sk, Hkv, D] e4m3) runs as
+    dequantized blocks (`_attend_fp8_blocks`) rather than the Triton kernel widening the e4m3
+    tiles itself. Pure, as `hopper_kernel_applies` (capability: the CUDA device's, None off
+    CUDA; the caller also requires no Triton interpreter). gluon: whether the blocks may go to
+    the Gluon kernel (False under ``prefill_kernel("triton")`` or where Triton has no Gluon).
+
+    True where `hopper_kernel_applies` to q with contiguous blocks of q's dtype (with gluon), or
+    on sm_90 from _FP8_BLOCKS_MIN_KEYS keys (the measured rule above), the blocks then attended
+    by the Triton kernel. Never with ``_config`` (which keeps the call on the Triton kernel's own
+    form)."""
+    b, sk, hkv, d = k_shape
     blk = (b, min(sk, FP8_DEQUANT_KEYS), hkv, d)
     strides = (blk[1] * hkv * d, hkv * d, d, 1)
-    return hopper_kernel_applies(
-        dtypes=(q.dtype,) * 3, shapes=(q.shape, blk, blk), strides=(q.stride(), strides, strides),
-        data_ptrs=(0, 0, 0), capability=device_capability(q.device), causal=bool(causal),
-        varlen=False, config_given=config_given)
+    if gluon and hopper_kernel_applies(
+            dtypes=(dtype,) * 3, shapes=(q_shape, blk, blk), strides=(q_strides, strides, strides),
+            data_ptrs=(0, 0, 0), capability=capability, causal=causal, varlen=False,
+            config_given=config_given):
+        return True
+    return (capability == (9, 0) and not config_given and 0 not in (*q_shape, *k_shape)
+            and sk >= _FP8_BLOCKS_MIN_KEYS)
 
 
 def _attend_fp8_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor,
@@ -723,8 +747,9 @@ def flash_attention_fwd(
     float32 [B, Sk, Hkv] (any strides): key j is k[:, j] * k_scale[:, j] (longctx.fp8),
     the tiles widened to q's dtype in the kernel and the scales applied per key. head_dim must
     then be a multiple of 16 (TMA's 16-byte alignment of the fp8 rows). v may then be stored
-    key-major (longctx.fp8.key_major_v; `check_key_major`'s layout). Where the Hopper rule
-    applies to q, the keys go through the Gluon kernel as dequantized blocks (module docstring).
+    key-major (longctx.fp8.key_major_v; `check_key_major`'s layout). On an H100 / H200, past
+    the measured rule of `fp8_blocks_apply`, the keys go through the Gluon or the Triton kernel
+    as dequantized blocks instead (module docstring).
 
     accumulate (dense only): (o_acc [B, Sq, Hq, D] float32, lse_acc [B, Sq, Hq] float32), a
     running state as `longctx.merge.merge_into` keeps it; the result is merged into it in
@@ -739,7 +764,6 @@ def flash_attention_fwd(
     """
     # Inputs are validated by longctx.attention (shapes, dtypes, devices, GQA, head_dim, and a
     # unit head_dim stride); only what the kernel itself relies on is asserted here.
-    is_varlen = cu_seqlens_q is not None
     check_prefill_args(q, k, v, q_start, k_start, cu_seqlens_q, max_seqlen_q, max_seqlen_k,
                        accumulate, k_scale)
     plan = PrefillPlan(q, k, v, softmax_scale=softmax_scale, causal=causal, q_start=q_start,
@@ -864,11 +888,16 @@ class PrefillPlan:
                 and (hopper := _hopper_module()) is not None):
             self.hopper = hopper.HopperLaunch(q, k, v, softmax_scale, causal, accumulate, q_start,
                                               k_start, cu_seqlens_q, cu_seqlens_k, varlen_max_q)
-        # An fp8 k/v: dequantized blocks through the Hopper kernel where its rule applies to q.
-        if (k_scale is not None and q.is_cuda and not _INTERPRET
-                and _fp8_blocks_apply(q, k, causal, config is not None)
-                and _hopper_module() is not None):
-            self.fp8_blocks = (float(softmax_scale), bool(causal))
+        # An fp8 k/v: dequantized blocks where they measured faster (`fp8_blocks_apply`), for
+        # the Triton kernel (kept under prefill_kernel("triton")) or the Gluon kernel (not).
+        if k_scale is not None and q.is_cuda and not _INTERPRET:
+            rule = functools.partial(
+                fp8_blocks_apply, q_shape=tuple(q.shape), k_shape=tuple(k.shape),
+                q_strides=q.stride(), dtype=q.dtype, capability=device_capability(q.device),
+                causal=bool(causal), config_given=config is not None)
+            on_triton = rule(gluon=False)
+            if on_triton or rule(gluon=_hopper_module() is not None):
+                self.fp8_blocks = (float(softmax_scale), bool(causal), on_triton)
         block_d = max(next_power_of_2(d), 16)
         # fp32: true fp32 FMA dots (~1e-6 error) instead of TF32; ignored for fp16/bf16.
         input_precision = "ieee" if q.dtype == torch.float32 else "tf32"
@@ -917,9 +946,12 @@ class PrefillPlan:
         if hopper is not None and ((q.data_ptr() | k.data_ptr() | v.data_ptr()) & 15
                                    or _prefill_choice == "triton"):
             hopper = None
-        if self.fp8_blocks is not None and self.launch is not None and _prefill_choice != "triton":
-            return _attend_fp8_blocks(q, k, v, k_scale, v_scale, *self.fp8_blocks, q_start,
-                                      k_start, accumulate)
+        # Blocks chosen for the Gluon kernel only are not taken under prefill_kernel("triton").
+        blocks = self.fp8_blocks
+        if (blocks is not None and self.launch is not None
+                and (blocks[2] or _prefill_choice != "triton")):
+            return _attend_fp8_blocks(q, k, v, k_scale, v_scale, *blocks[:2], q_start, k_start,
+                                      accumulate)
         if accumulate is None:
             # o is shaped like q in q's dtype: empty_like parses its arguments in half torch.empty's
             # time.

@@ -93,10 +93,10 @@ def attention(
             k[:, j, h] * k_scale[:, j, h] (longctx.fp8); required with fp8 k/v, refused
             otherwise. On CUDA head_dim must then be a multiple of 16. v may then be stored
             key-major (longctx.fp8.key_major_v), k and the scales head-major
-            (longctx.fp8.head_major), as the model's fp8 cache is. Where the Hopper kernel
-            takes q, k / v are dequantized to q's dtype a block of keys at a time (their
+            (longctx.fp8.head_major), as the model's fp8 cache is. On an H100 / H200 past a
+            measured size, k / v are dequantized to q's dtype a block of keys at a time (their
             values rounded to q's dtype, as a plain computation in that dtype rounds them;
-            longctx.kernels.prefill).
+            longctx.kernels.prefill `fp8_blocks_apply`).
 
     Returns:
         o shaped like q, in q's dtype; with return_lse also the LSE, float32 natural log (float64

@@ -287,6 +287,37 @@ def test_fp8_blocks_merge_to_the_whole_history(device, monkeypatch, k_start):
     torch.testing.assert_close(acc[1].cpu().double(), want_l, rtol=0, atol=2e-3)
 
 
+def _fp8_chunk_case(B, Sq, hist, Hq, Hkv, D, seed, late):
+    """A bf16 chunk of Sq queries at the end of hist + Sq fp8 keys (causal; "late": k_start 5
+    past q_start, the first 5 rows seeing no key) on the CPU, with its references: (q, kq, vq,
+    ks, vs, kw, want, want_lse, want_lse16, err_plain): the float64 output and LSE on the exact
+    dequantized values, the float64 LSE on the values rounded to bf16 (what dequantized blocks
+    attend to), and plain bf16 PyTorch's max error of `want`."""
+    g = torch.Generator().manual_seed(seed)
+    k, v = _kv((B, hist + Sq, Hkv, D), g)
+    (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
+    q = torch.randn(B, Sq, Hq, D, generator=g).to(torch.bfloat16)
+    k64, v64 = dequantize_kv(kq, ks, torch.float64), dequantize_kv(vq, vs, torch.float64)
+    kw = dict(causal=True, q_start=hist, k_start=hist + 5 if late else 0)
+    want, want_lse = reference_attention(q.double(), k64, v64, **kw)
+    k16, v16 = k64.to(torch.bfloat16), v64.to(torch.bfloat16)
+    plain, _ = reference_attention(q, k16, v16, **kw, compute_dtype=torch.bfloat16)
+    _, want_lse16 = reference_attention(q.double(), k16.double(), v16.double(), **kw)
+    return q, kq, vq, ks, vs, kw, want, want_lse, want_lse16, (plain.double() - want).abs().max()
+
+
+def _count_blocks(monkeypatch, keys: int) -> list:
+    """kernels/prefill.py's blocks made `keys` keys long, and a list that each call of
+    `_attend_fp8_blocks` appends to."""
+    from longctx.kernels import prefill as kp
+
+    monkeypatch.setattr(kp, "FP8_DEQUANT_KEYS", keys)
+    calls = []
+    blocks = kp._attend_fp8_blocks
+    monkeypatch.setattr(kp, "_attend_fp8_blocks", lambda *a: calls.append(1) or blocks(*a))
+    return calls
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("D,layout,k_start", [(128, "model", "0"), (96, "usual", "0"),
                                               (128, "model", "tensor"), (64, "usual", "late")])
@@ -306,23 +337,10 @@ def test_prefill_fp8_blocks_on_the_hopper_kernel(monkeypatch, D, layout, k_start
 
     if device_capability(torch.device("cuda")) != (9, 0):
         pytest.skip("the Gluon prefill kernel runs on sm_90 only")
-    monkeypatch.setattr(kp, "FP8_DEQUANT_KEYS", 1000)
-    calls = []
-    blocks = kp._attend_fp8_blocks
-    monkeypatch.setattr(kp, "_attend_fp8_blocks", lambda *a: calls.append(1) or blocks(*a))
-    g = torch.Generator().manual_seed(4)
-    B, Sq, hist, Hq, Hkv = 2, 2100, 700, 6, 2
-    Sk = hist + Sq
-    k, v = _kv((B, Sk, Hkv, D), g)
-    (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
-    q = torch.randn(B, Sq, Hq, D, generator=g).to(torch.bfloat16)
-    k64, v64 = dequantize_kv(kq, ks, torch.float64), dequantize_kv(vq, vs, torch.float64)
-    kw = dict(causal=True, q_start=hist, k_start=hist + 5 if k_start == "late" else 0)
-    want, want_lse = reference_attention(q.double(), k64, v64, **kw)
-    k16, v16 = k64.to(torch.bfloat16), v64.to(torch.bfloat16)
-    plain, _ = reference_attention(q, k16, v16, **kw, compute_dtype=torch.bfloat16)
-    _, want_lse16 = reference_attention(q.double(), k16.double(), v16.double(), **kw)
-    err_plain = (plain.double() - want).abs().max()
+    calls = _count_blocks(monkeypatch, 1000)
+    B = 2
+    q, kq, vq, ks, vs, kw, want, want_lse, want_lse16, err_plain = _fp8_chunk_case(
+        B, 2100, 700, 6, 2, D, 4, k_start == "late")
     cache = tuple(t.cuda() for t in (kq, vq, ks, vs))
     if layout == "model":
         cache = model_layout(*cache)
@@ -342,12 +360,87 @@ def test_prefill_fp8_blocks_on_the_hopper_kernel(monkeypatch, D, layout, k_start
         if k_start == "late":
             assert (o[:, :5] == 0).all() and (lse[:, :5] == float("-inf")).all()
     assert len(calls) == 2  # both calls took the blocks
-    with kp.prefill_kernel("triton"):  # the Triton kernel's own fp8 path, as before
+    with kp.prefill_kernel("triton"):  # 2800 keys: the Triton kernel widens e4m3 itself
         o_t, lse_t = flash_attention_fwd(qc, kc, vc, softmax_scale=D**-0.5, k_scale=ksc,
                                          v_scale=vsc, **kw)
     assert len(calls) == 2
     assert (o_t.double().cpu() - want).abs().max() <= 2 * err_plain + 1e-6
     torch.testing.assert_close(lse_t.cpu().double(), want_lse, rtol=0, atol=2e-3)
+
+
+@pytest.mark.parametrize("cap,Sq,Sk,causal,gluon,config,want", [
+    ((9, 0), 1, 16384, True, True, False, True),       # from 16384 keys, any rows
+    ((9, 0), 1024, 16384, False, False, False, True),
+    ((9, 0), 1024, 16383, True, True, False, False),
+    ((9, 0), 2048, 2048, True, True, False, True),     # the Gluon kernel's rule (causal)
+    ((9, 0), 2048, 2048, True, False, False, False),   # ... not without it
+    ((9, 0), 1024, 2048, False, True, False, True),    # its rule unmasked: 64 x 8 programs
+    ((9, 0), 1024, 2048, False, False, False, False),
+    ((9, 0), 16384, 65536, True, True, True, False),   # a _config keeps the Triton kernel's form
+    ((9, 0), 0, 65536, True, True, False, False),
+    ((8, 9), 8192, 65536, True, True, False, False),   # measured on sm_90 only
+    ((10, 0), 8192, 65536, True, True, False, False),
+    (None, 8192, 65536, True, True, False, False),
+])
+def test_fp8_blocks_rule(cap, Sq, Sk, causal, gluon, config, want):
+    """kernels/prefill.py `fp8_blocks_apply` (pure): where a dense fp8 call runs as dequantized
+    blocks rather than the Triton kernel widening e4m3 tiles (64 / 8 heads, D=128, bf16)."""
+    from longctx.kernels.prefill import fp8_blocks_apply
+
+    q_shape = (1, Sq, 64, 128)
+    q_strides = (Sq * 64 * 128, 64 * 128, 128, 1)
+    assert fp8_blocks_apply(q_shape=q_shape, k_shape=(1, Sk, 8, 128), q_strides=q_strides,
+                            dtype=torch.bfloat16, capability=cap, causal=causal,
+                            config_given=config, gluon=gluon) is want
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k_start", ["0", "late"])
+def test_prefill_fp8_blocks_on_the_triton_kernel(monkeypatch, k_start):
+    """On sm_90 a chunk too short for the Gluon kernel (300 causal rows) over 16384 + 300 fp8
+    keys runs as dequantized blocks through the Triton kernel (`fp8_blocks_apply`; blocks of 6000
+    keys here, the last one short), through the API and Triton's path, and still under
+    prefill_kernel("triton"); with ``_config`` the Triton kernel widens the tiles itself. Each
+    within twice plain bf16 PyTorch's error of the float64 reference on the dequantized values;
+    the blocks' LSE against the float64 one on the values rounded to bf16 (what they attend to),
+    the widening's against the float64 one on the exact values. "late": the first 5 rows see no
+    key (O = 0, LSE = -inf)."""
+    from longctx.kernels import prefill as kp
+    from longctx.kernels.utils import device_capability
+
+    if device_capability(torch.device("cuda")) != (9, 0):
+        pytest.skip("the blocks' rule for the Triton kernel was measured on sm_90 only")
+    calls = _count_blocks(monkeypatch, 6000)
+    Sq, hist, D = 300, 16384, 128
+    q, kq, vq, ks, vs, kw, want, want_lse, want_lse16, err_plain = _fp8_chunk_case(
+        1, Sq, hist, 6, 2, D, 6, k_start == "late")
+    qc, kc, vc, ksc, vsc = (t.cuda() for t in (q, kq, vq, ks, vs))
+    cfg = kp.launch_config(D, q.dtype, True, Sq, hist + Sq, fp8=True, capability=(9, 0))
+    runs = {
+        "api": lambda: longctx.attention(qc, kc, vc, k_scale=ksc, v_scale=vsc, return_lse=True,
+                                         **kw),
+        "triton_path": lambda: flash_attention_fwd(qc, kc, vc, softmax_scale=D**-0.5,
+                                                   k_scale=ksc, v_scale=vsc, **kw),
+        "forced": lambda: flash_attention_fwd(qc, kc, vc, softmax_scale=D**-0.5, k_scale=ksc,
+                                              v_scale=vsc, **kw),
+        "widened": lambda: flash_attention_fwd(qc, kc, vc, softmax_scale=D**-0.5, k_scale=ksc,
+                                               v_scale=vsc, _config=cfg, **kw),
+    }
+    for name, run in runs.items():
+        n = len(calls)
+        if name == "forced":
+            with kp.prefill_kernel("triton"):
+                o, lse = run()
+        else:
+            o, lse = run()
+        assert len(calls) == n + (name != "widened"), name
+        err = (o.double().cpu() - want).abs().max()
+        assert err <= 2 * err_plain + 1e-6, (name, err, err_plain)
+        torch.testing.assert_close(lse.cpu().double(),
+                                   want_lse if name == "widened" else want_lse16, rtol=0,
+                                   atol=2e-3)
+        if k_start == "late":
+            assert (o[:, :5] == 0).all() and (lse[:, :5] == float("-inf")).all()
 
 
 @pytest.mark.gpu
