@@ -48,11 +48,11 @@ A dense fp8 k/v runs as dequantized blocks where that measured faster (`fp8_bloc
 keys dequantized to q's dtype FP8_DEQUANT_KEYS at a time (kernels/fused.py dequantize_fp8,
 longctx.fp8.dequantize_kv's values) into one reused buffer each for K and V, each block merged
 into a float32 running state by the kernel's accumulating epilogue (`_attend_fp8_blocks`). The
-blocks go to the Gluon kernel where its rule applies to q, else (on sm_90, from 16384 keys) to
-the Triton kernel. The Triton kernel widening e4m3 tiles in
-registers took 2.7x the Gluon kernel's time on the same values in bf16 (a chunk of 8192 queries
-over 262144 keys, 64/8 heads, one H200: 298 against 113 ms; the blocks take 111 ms), and 1.1-4.0x
-the blocks through itself (BENCHMARKS.md, fp8 section).
+blocks go to the Gluon kernel where its rule applies to q, else (on sm_90, a bf16 / fp16 q, from
+16384 keys) to the Triton kernel. The Triton kernel widening e4m3 tiles in registers took 2.7x
+the Gluon kernel's time on the same values in bf16 (a chunk of 8192 queries over 262144 keys, 64/8
+heads, one H200: 298 against 113 ms; the blocks take 111 ms), and 1.1-4.0x the blocks through
+itself (BENCHMARKS.md, fp8 section).
 """
 
 from __future__ import annotations
@@ -663,9 +663,9 @@ def fp8_blocks_apply(*, q_shape: tuple[int, ...], k_shape: tuple[int, ...],
     the Gluon kernel (False under ``prefill_kernel("triton")`` or where Triton has no Gluon).
 
     True where `hopper_kernel_applies` to q with contiguous blocks of q's dtype (with gluon), or
-    on sm_90 from _FP8_BLOCKS_MIN_KEYS keys (the measured rule above), the blocks then attended
-    by the Triton kernel. Never with ``_config`` (which keeps the call on the Triton kernel's own
-    form)."""
+    on sm_90 for a bf16 / fp16 q from _FP8_BLOCKS_MIN_KEYS keys (the measured rule above; a
+    float32 q was not measured), the blocks then attended by the Triton kernel. Never with
+    ``_config`` (which keeps the call on the Triton kernel's own form)."""
     b, sk, hkv, d = k_shape
     blk = (b, min(sk, FP8_DEQUANT_KEYS), hkv, d)
     strides = (blk[1] * hkv * d, hkv * d, d, 1)
@@ -675,7 +675,7 @@ def fp8_blocks_apply(*, q_shape: tuple[int, ...], k_shape: tuple[int, ...],
             config_given=config_given):
         return True
     return (capability == (9, 0) and not config_given and 0 not in (*q_shape, *k_shape)
-            and sk >= _FP8_BLOCKS_MIN_KEYS)
+            and dtype in (torch.bfloat16, torch.float16) and sk >= _FP8_BLOCKS_MIN_KEYS)
 
 
 def _attend_fp8_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor,

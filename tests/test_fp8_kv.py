@@ -384,14 +384,16 @@ def test_prefill_fp8_blocks_on_the_hopper_kernel(monkeypatch, D, layout, k_start
 ])
 def test_fp8_blocks_rule(cap, Sq, Sk, causal, gluon, config, want):
     """kernels/prefill.py `fp8_blocks_apply` (pure): where a dense fp8 call runs as dequantized
-    blocks rather than the Triton kernel widening e4m3 tiles (64 / 8 heads, D=128, bf16)."""
+    blocks rather than the Triton kernel widening e4m3 tiles (64 / 8 heads, D=128; a bf16 or
+    fp16 q, never a float32 one)."""
     from longctx.kernels.prefill import fp8_blocks_apply
 
     q_shape = (1, Sq, 64, 128)
     q_strides = (Sq * 64 * 128, 64 * 128, 128, 1)
-    assert fp8_blocks_apply(q_shape=q_shape, k_shape=(1, Sk, 8, 128), q_strides=q_strides,
-                            dtype=torch.bfloat16, capability=cap, causal=causal,
-                            config_given=config, gluon=gluon) is want
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):  # float32: not measured
+        assert fp8_blocks_apply(q_shape=q_shape, k_shape=(1, Sk, 8, 128), q_strides=q_strides,
+                                dtype=dtype, capability=cap, causal=causal,
+                                config_given=config, gluon=gluon) is (want and dtype.itemsize == 2)
 
 
 @pytest.mark.gpu
