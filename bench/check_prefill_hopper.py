@@ -527,10 +527,10 @@ def main():
         print(f"!! timing: {hung!r} hung or crashed; re-running the remaining cases without {gone}")
         skip += gone
     names = ["cudnn", "longctx", "triton", "gluon-dev", "dense8"]
-    print(f"summary, TFLOPS (4*Hq*S^2*D per sequence / t, causal halved); longctx = as "
-          f"dispatched (Gluon where hopper_kernel_applies, else Triton); gluon-dev = the Gluon "
-          f"kernel on device-side descriptors (B = 1); dense8 = longctx on 8 x 8192 dense rows; "
-          f"lc/cudnn, lc/triton, dev/host (gluon-dev / longctx), var/dense8 (longctx / dense8)")
+    print("summary, TFLOPS (4*Hq*S^2*D per sequence / t, causal halved); longctx = as "
+          "dispatched (Gluon where hopper_kernel_applies, else Triton); gluon-dev = the Gluon "
+          "kernel on device-side descriptors (B = 1); dense8 = longctx on 8 x 8192 dense rows; "
+          "lc/cudnn, lc/triton, dev/host (gluon-dev / longctx), var/dense8 (longctx / dense8)")
     print(f"   {'case':<26}" + "".join(f"{n:>11}" for n in names)
           + f"{'lc/cudnn':>10}{'lc/triton':>10}{'dev/host':>10}{'var/dense8':>11}")
     for case, row in rows.items():

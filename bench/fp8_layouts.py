@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT / "launch"))
 from bench import graph_ms, stream_read_ms  # noqa: E402
 from fp8_decode_sweep import fp8_launch  # noqa: E402  (this script's folder)
 
-from longctx.fp8 import FP8, head_major, key_major_v, quantize_kv  # noqa: E402
+from longctx.fp8 import head_major, key_major_v, quantize_kv  # noqa: E402
 from longctx.kernels import decode as D  # noqa: E402
 from longctx.kernels.merge import merge_states_triton  # noqa: E402
 from longctx.kernels.utils import device_sms  # noqa: E402

@@ -16,7 +16,6 @@ import inspect
 
 import pytest
 import torch
-import triton
 from triton import knobs
 from triton._C.libtriton import native_specialize_impl
 from triton.backends.compiler import GPUTarget
@@ -26,7 +25,6 @@ from triton.runtime.jit import JITFunction, create_function_from_signature
 import longctx
 from longctx.backend import force_triton
 from longctx.kernels import decode as kernels_decode, launch as L
-from longctx.kernels.decode import _decode_split_kernel
 from longctx.kernels.merge import _merge_kernel
 from longctx.kernels.prefill import _attn_fwd_kernel
 

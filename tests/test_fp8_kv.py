@@ -25,7 +25,6 @@ from longctx.model import Transformer
 from longctx.parallel.memory import estimate_memory, largest_context
 from longctx.reference import reference_attention
 from longctx.weights import RandomWeights, load_weights
-from tests.env import DEVICE
 from tests.kv_rounding import RoundedKVCache
 
 
