@@ -9,6 +9,8 @@ the floor (the fp8 bytes and scales at the measured read bandwidth).
         [--candidates 2:128,4,2 4:64,4,2 ...]   # MULT:BLOCK_N,warps,stages
         [--key-major [--head-major]]   # V stored key-major (and K and the scales head-major: the
                                        # model's fp8 cache) for the candidates and the rule
+        [--page-size N]                # every fp8 cache paged (pages of N in order; the layouts
+                                       # above within each page)
     # OLD.py: e.g. `git show 5425e66:kernels/decode.py > /tmp/decode_5425e66.py`
 """
 
@@ -45,12 +47,13 @@ CANDIDATES = [(1, (128, 4, 3)), (2, (128, 4, 2)), (4, (64, 2, 2)), (4, (64, 2, 3
               (5, (64, 2, 2))]
 
 
-def run(mod, q, k, v, lens, splits, cfg, scales):
-    """Split kernel (+ merge) of decode module `mod` (kernels/decode.py or a previous one)."""
+def run(mod, q, k, v, lens, splits, cfg, scales, table=None):
+    """Split kernel (+ merge) of decode module `mod` (kernels/decode.py or a previous one);
+    table: a paged cache's block table."""
     if splits == 1:
-        return mod.flash_decode_partials(q, k, v, lens, None, q.shape[-1] ** -0.5, 1,
+        return mod.flash_decode_partials(q, k, v, lens, table, q.shape[-1] ** -0.5, 1,
                                          out_dtype=q.dtype, config=cfg, **scales)[0]
-    o, lse = mod.flash_decode_partials(q, k, v, lens, None, q.shape[-1] ** -0.5, splits,
+    o, lse = mod.flash_decode_partials(q, k, v, lens, table, q.shape[-1] ** -0.5, splits,
                                        config=cfg, **scales)
     out = merge_states_triton(o, lse, out_dtype=q.dtype)
     return out[0] if isinstance(out, tuple) else out
@@ -97,6 +100,9 @@ def main() -> None:
     ap.add_argument("--head-major", action="store_true",
                     help="with --key-major: K and the scales head-major too (longctx.fp8."
                          "head_major), the model's fp8 cache")
+    ap.add_argument("--page-size", type=int,
+                    help="every fp8 cache paged, pages of this many keys in order (with "
+                         "--key-major / --head-major those layouts within each page)")
     args = ap.parse_args()
     if args.head_major and not args.key_major:
         ap.error("--head-major goes with --key-major (the model's fp8 cache is both)")
@@ -128,36 +134,41 @@ def main() -> None:
         t_bf16 = graph_ms(lambda: run(D, q, k, v, lens, sp1, bf_cfg, {}), **TIMING) * 1e3
         (k8, ks), (v8, vs) = quantize_kv(k), quantize_kv(v)
         del k, v
+        ps, table = args.page_size, None
+        if ps:
+            table = torch.arange(B * N // ps, device=q.device, dtype=torch.int32).view(B, -1)
+            k8, v8, ks, vs = (t.view(B * N // ps, ps, *t.shape[2:]) for t in (k8, v8, ks, vs))
         scales = dict(k_scale=ks, v_scale=vs)
         t_rows = None
         if args.key_major:  # the usual layout's rule, then the sweep on the key-major copy
             sp_r, cfg_r = fp8_launch(D, B, hkv, N, sms, q.device)
-            t_rows = graph_ms(lambda: run(D, q, k8, v8, lens, sp_r, cfg_r, scales),
+            t_rows = graph_ms(lambda: run(D, q, k8, v8, lens, sp_r, cfg_r, scales, table),
                               **TIMING) * 1e3
         v_std = v8
         if args.key_major:
-            v8 = key_major_v(v_std.shape, q.device)
+            v8 = key_major_v(v_std.shape, q.device, paged=bool(ps))
             v8.copy_(v_std)
         if args.head_major:
-            k8, ks, vs = (head_major(t.shape, t.dtype, q.device).copy_(t) for t in (k8, ks, vs))
+            k8, ks, vs = (head_major(t.shape, t.dtype, q.device, paged=bool(ps)).copy_(t)
+                          for t in (k8, ks, vs))
             scales = dict(k_scale=ks, v_scale=vs)
         t_old = None
         if old is not None:
             sp_old, cfg = fp8_launch(old, B, hkv, N, sms, q.device)
-            t_old = graph_ms(lambda: run(old, q, k8, v_std, lens, sp_old, cfg, scales),
+            t_old = graph_ms(lambda: run(old, q, k8, v_std, lens, sp_old, cfg, scales, table),
                              **TIMING) * 1e3
         times = {}
         for mult, cfg in candidates:
             sp = min(sp1 * mult, max(1, N // 256))
-            times[(sp, cfg)] = graph_ms(lambda: run(D, q, k8, v8, lens, sp, cfg, scales),
+            times[(sp, cfg)] = graph_ms(lambda: run(D, q, k8, v8, lens, sp, cfg, scales, table),
                                         **TIMING) * 1e3
-        sp, cfg = fp8_launch(D, B, hkv, N, sms, q.device, args.key_major)
+        sp, cfg = fp8_launch(D, B, hkv, N, sms, q.device, D.key_major_rule(True, v8, ps))
         if (sp, cfg) not in times:
-            times[(sp, cfg)] = graph_ms(lambda: run(D, q, k8, v8, lens, sp, cfg, scales),
+            times[(sp, cfg)] = graph_ms(lambda: run(D, q, k8, v8, lens, sp, cfg, scales, table),
                                         **TIMING) * 1e3
-        o = run(D, q, k8, v8, lens, sp, cfg, scales)
-        kf = dequantize_kv(k8, ks).repeat_interleave(hq // hkv, 2)
-        vf = dequantize_kv(v_std, vs).repeat_interleave(hq // hkv, 2)
+        o = run(D, q, k8, v8, lens, sp, cfg, scales, table)
+        kf, vf = (dequantize_kv(t, sc).reshape(B, N, hkv, 128).repeat_interleave(hq // hkv, 2)
+                  for t, sc in ((k8, ks), (v_std, vs)))
         p = (torch.einsum("bhd,bshd->bhs", q.float(), kf) * 128 ** -0.5).softmax(-1)
         err = (o.float() - torch.einsum("bhs,bshd->bhd", p, vf)).abs().max().item()
         del kf, vf, p

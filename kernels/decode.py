@@ -37,7 +37,7 @@ from longctx.kernels.utils import (cdiv, device_capability, device_name, device_
                                    next_power_of_2, pdl_launch, pdl_wait)
 
 __all__ = ["DecodePlan", "flash_decode", "flash_decode_partials", "choose_num_splits",
-           "splits_rule"]
+           "key_major_rule", "splits_rule"]
 
 _LOG2E = 1.4426950408889634
 # Upper bound on query heads handled by one program. Larger GQA groups (e.g. MQA
@@ -115,8 +115,9 @@ def _attend_block(
     subnormals.
 
     V_KEY_MAJOR: an fp8 V stored key-major (longctx.fp8: unit stride along keys, stride_vd
-    between head_dim columns), read 16 keys at a time and widened by Triton's conversion, which
-    then moves into P @ V's operand as K's does (P @ V reduces over keys, V's contiguous axis).
+    between head_dim columns; paged: within each page), read 16 keys at a time and widened by
+    Triton's conversion, which then moves into P @ V's operand as K's does (P @ V reduces over
+    keys, V's contiguous axis).
     """
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -166,8 +167,17 @@ def _attend_block(
             d_ok = (offs_d < HEAD_DIM)[None, :]
             k = tl.load(k_head + k_rows[:, None] + offs_d[None, :], mask=d_ok, other=0.0)
             v_mask = v_mask & d_ok
-        v = tl.load(v_head + b64 * stride_v0 + v_keys[:, None] * stride_v1
-                    + offs_d[None, :].to(tl.int64) * stride_vd, mask=v_mask, other=0.0)
+        if PAGED:
+            # Pages of key-major rows (page_size keys each, a multiple of 16): a 16-key group
+            # lies in one page, the page of its keys' clamped rows (the group holding `end`
+            # shares end - 1's page; groups past it are masked off).
+            v_page = page if BLOCK_N <= PAGE_SIZE else tl.max_constancy(page, 16)
+            v_slot = tl.max_contiguous(tl.multiple_of(v_keys % PAGE_SIZE, 16), 16)
+            v_rows_km = v_page * stride_v0 + v_slot * stride_v1
+        else:
+            v_rows_km = b64 * stride_v0 + v_keys * stride_v1
+        v = tl.load(v_head + v_rows_km[:, None] + offs_d[None, :].to(tl.int64) * stride_vd,
+                    mask=v_mask, other=0.0)
     elif HEAD_DIM == BLOCK_D + D_HI:
         k = tl.load(k_head + k_rows[:, None] + (k_lo + offs_d)[None, :])
         v = tl.load(v_head + v_rows[:, None] + (v_lo + offs_d)[None, :])
@@ -293,7 +303,7 @@ def _decode_split_kernel(
     V_KEY_MAJOR: tl.constexpr = False,  # FP8: V stored key-major (`_attend_block`, longctx.fp8)
 ):
     tl.static_assert(not (FP8 and D_HI > 0))  # an fp8 cache widens and scales whole tiles
-    tl.static_assert(not V_KEY_MAJOR or (FP8 and not PAGED))
+    tl.static_assert(not V_KEY_MAJOR or FP8)
     pdl_wait(USE_PDL)  # q and the newest K/V come from the kernels before
     split = tl.program_id(0)
     bh = tl.program_id(1)
@@ -457,11 +467,11 @@ def _decode_split_kernel(
 
 
 def _launch_config(head_dim: int, dtype: torch.dtype, block_h: int, keys_per_split: int,
-                   device: torch.device, fp8: bool = False,
-                   programs: int = 0, key_major: bool = False) -> tuple[int, int, int]:
+                   device: torch.device, fp8: bool = False, programs: int = 0,
+                   key_major: bool = False, page_size: int | None = None) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages) for the dots' dtype / head_dim / BLOCK_H / split length;
     fp8: an fp8 cache (dtype is then what its tiles are widened to), launched on `programs`
-    programs; key_major: its V stored key-major (longctx.fp8).
+    programs; key_major: its V stored key-major (longctx.fp8); page_size: a paged cache's.
 
     Half precision, head_dim <= 128, measured with bench/tune_decode.py (16/2 heads, fp16,
     graph replay; bench/results/tune-decode-*.txt): shorter splits prefer BLOCK_N 64 (2 stages
@@ -487,7 +497,7 @@ def _launch_config(head_dim: int, dtype: torch.dtype, block_h: int, keys_per_spl
         # conversion moved into the dot's operand (fp8-decode-k-layout-h100.txt): same picks.
         # On an H200 (fp8-decode-h200.txt) the four programs take 3 stages (56 KB each): 9-11%
         # faster at 1 x 262144 and 1 x 1048576; on an H100 within 2% either way (a tie).
-        if key_major:
+        if key_major and _pages_hold_blocks(page_size):
             # V key-major (no float16 copy of either tile, 63 KB a program at 3 stages): two
             # programs a SM of 128 keys, 4 warps, 3 stages were the best launch at every long
             # shape on an H100 and an H200 (fp8-decode-h200.txt, the probe; KEY_MAJOR_SPLITS).
@@ -495,7 +505,9 @@ def _launch_config(head_dim: int, dtype: torch.dtype, block_h: int, keys_per_spl
         sms = device_sms(device)
         if programs > 2 * sms:
             return 64, 2, (2 if "H100" in device_name(device) else 3)
-        return (128, 4, 2) if programs > sms else (128, 4, 3)
+        # (in smaller pages a key-major V takes 3 stages here too: 32/4 heads 8 x 8192 at pages
+        # of 16 on an H200, 36.5 µs against 41.6 with 2; bench/results/fp8-paged-h200.txt)
+        return (128, 4, 2) if programs > sms and not key_major else (128, 4, 3)
     if dtype == torch.float32:
         return (32 if d <= 128 and block_h * d < 64 * 128 else 16), 8, 2
     if d == 256:
@@ -562,8 +574,8 @@ def _split_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     widen = (fp8 and not _INTERPRET and compute == torch.float16
              and (device_capability(q.device) or (0, 0)) >= (8, 9))
     programs = num_splits * B * Hkv * cdiv(group, block_h)
-    block_n, num_warps, num_stages = config or _launch_config(D, compute, block_h, keys, q.device,
-                                                              fp8, programs, key_major)
+    block_n, num_warps, num_stages = config or _launch_config(
+        D, compute, block_h, keys, q.device, fp8, programs, key_major, page_size if paged else None)
     # fp32: exact fp32 products (tf32 would cost ~1e-3 relative error).
     precision = "ieee" if compute == torch.float32 else "tf32"
     sks = k_scale.stride() if fp8 else (0, 0, 0)
@@ -694,8 +706,9 @@ class DecodePlan:
                         else k_cache.shape[1])
             num_splits = choose_num_splits(
                 B, k_cache.shape[2], capacity, device_sms(q.device),
-                **splits_rule(D, k_scale is not None, q.device,
-                              k_scale is not None and is_key_major(v_cache)))
+                **splits_rule(D, k_scale is not None, q.device, key_major_rule(
+                    k_scale is not None, v_cache,
+                    None if block_table is None else k_cache.shape[1])))
         self.num_splits, self.return_lse = num_splits, return_lse
         self.lse_shape = tuple(q.shape[:-1])  # o without head_dim: [B, Hq] or [B, 1, Hq]
         rows = B * Hq
@@ -844,8 +857,25 @@ FP8_SPLITS = dict(programs_per_sm=4, min_keys_per_split=1024, max_splits=256)
 # An fp8 cache whose V is key-major (longctx.fp8): two programs of 4 warps per SM
 # (`_launch_config`; the probe in bench/results/fp8-decode-h200.txt).
 KEY_MAJOR_SPLITS = dict(programs_per_sm=2, min_keys_per_split=1024)
+# Pages of fewer keys than this take the usual layout's launch rule with a key-major V (below).
+KEY_MAJOR_MIN_PAGE = 128
 # A head_dim split into two tiles on a GPU not named H100 (`splits_rule`): two programs per SM.
 SPLIT_HEAD_SPLITS = dict(programs_per_sm=2, min_keys_per_split=1024)
+
+
+def _pages_hold_blocks(page_size: int | None) -> bool:
+    """A contiguous cache (None), or pages of at least KEY_MAJOR_MIN_PAGE keys."""
+    return page_size is None or page_size >= KEY_MAJOR_MIN_PAGE
+
+
+def key_major_rule(fp8: bool, v_cache: torch.Tensor, page_size: int | None) -> bool:
+    """Whether an fp8 cache's launch takes the key-major rule (KEY_MAJOR_SPLITS, `_launch_config`'s
+    two programs of 128 keys a SM): its V key-major, contiguous or in pages of at least
+    KEY_MAJOR_MIN_PAGE keys. Smaller pages take the usual layout's splits (FP8_SPLITS): on an H200
+    at pages of 16, four programs of (64, 2, 3) a SM took 58.2 / 100.1 / 186.5 µs at 16/2, 32/4,
+    64/8 heads 1 x 262144 against 61.0 / 110.6 / 208.7 for the key-major rule (a key block then
+    spans several pages, its rows' page ids loaded first; bench/results/fp8-paged-h200.txt)."""
+    return fp8 and is_key_major(v_cache) and _pages_hold_blocks(page_size)
 
 
 def splits_rule(head_dim: int, fp8: bool, device: torch.device, key_major: bool = False) -> dict:

@@ -314,6 +314,8 @@ def run_decode(cfg: DictConfig) -> dict:
     fp8 = c.get("kv_cache_dtype", "auto") == "fp8_e4m3"
     bw = read_bandwidth()
     print(f"HBM read bandwidth (streaming read kernel, 4 GiB): {bw / 1e12:.2f} TB/s")
+    if c.get("page_size"):
+        print(f"longctx's caches paged, pages of {c.page_size}")
     rows = []
     for Hq, Hkv, D, B, N in decode_rows(c):
         q = torch.randn(B, Hq, D, device="cuda", dtype=dtype)
@@ -322,27 +324,37 @@ def run_decode(cfg: DictConfig) -> dict:
         seqlens = torch.full((B,), N, device="cuda", dtype=torch.int32)
         kv_bytes = 2 * k.numel() * k.element_size()
         ref = half_ref = attention_ref(q, k, v)  # fp32, over the cache in the table's dtype
+        # page_size: longctx reads every cache paged, sequence b's pages in order (as vLLM's
+        # peer does); the pages [B * N / page_size, page_size, Hkv, D].
+        ps = c.get("page_size") or None
+        table = None if ps is None else torch.arange(
+            B * N // ps, device="cuda", dtype=torch.int32).view(B, N // ps)
+
+        def paged(t: torch.Tensor) -> torch.Tensor:
+            return t if ps is None else t.view(B * N // ps, ps, *t.shape[2:])
         if fp8:
             # longctx's fp8 cache: e4m3 K/V and a float32 scale per (token, KV head), counted in
-            # the floor, in the model's layout (K and the scales head-major, V key-major); its
-            # reference attends to the same dequantized values.
+            # the floor, in the model's layout (K and the scales head-major, V key-major; within
+            # each page when paged); its reference attends to the same dequantized values.
             from longctx.fp8 import dequantize_kv, model_layout, quantize_kv
 
             (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
             kv_bytes = 2 * (kq.numel() + 4 * ks.numel())
             ref = attention_ref(q, dequantize_kv(kq, ks), dequantize_kv(vq, vs))
-            kq, vq, ks, vs = model_layout(kq, vq, ks, vs)
+            kq, vq, ks, vs = model_layout(*map(paged, (kq, vq, ks, vs)), paged=ps is not None)
 
             def ours():
                 return longctx.decode(q, kq, vq, cache_seqlens=seqlens, num_splits=c.num_splits,
-                                      k_scale=ks, v_scale=vs)
+                                      k_scale=ks, v_scale=vs, block_table=table)
         else:
             def ours():
-                return longctx.decode(q, k, v, cache_seqlens=seqlens, num_splits=c.num_splits)
+                return longctx.decode(q, paged(k), paged(v), cache_seqlens=seqlens,
+                                      num_splits=c.num_splits, block_table=table)
         floor_us = kv_bytes / bw * 1e6
         err = (ours().float() - ref).abs().max().item()
         row = {"q_heads": Hq, "kv_heads": Hkv, "head_dim": D, "batch": B, "seq_len": N,
-               "kv_cache_dtype": "fp8_e4m3" if fp8 else c.dtype, "kv_bytes": kv_bytes,
+               "kv_cache_dtype": "fp8_e4m3" if fp8 else c.dtype, "page_size": ps,
+               "kv_bytes": kv_bytes,
                "floor_us": floor_us,
                "longctx_us": bench_ms(ours, cfg.warmup_ms, cfg.rep_ms) * 1e3, "longctx_max_err": err}
         if c.cuda_graph:
@@ -353,9 +365,10 @@ def run_decode(cfg: DictConfig) -> dict:
         peers = {n: (make, half_ref[:, :, None])
                  for n, make in decode_peers(q[:, :, None], k_t, v_t).items()}
         peers["longctx_bf16"] = (lambda: lambda: longctx.decode(
-            q, k, v, cache_seqlens=seqlens, num_splits=c.num_splits), half_ref)
+            q, paged(k), paged(v), cache_seqlens=seqlens, num_splits=c.num_splits,
+            block_table=table), half_ref)
         if "vllm_fp8" in c.peers:
-            peers["vllm_fp8"] = vllm_fp8_peer(q, k, v)
+            peers["vllm_fp8"] = vllm_fp8_peer(q, k, v, ps or 16)
         for name in c.peers:
             ms, gms, why = try_peer(name, *peers[name], cfg, graph=c.cuda_graph)
             row[f"{name}_us"] = None if ms is None else ms * 1e3

@@ -47,10 +47,7 @@ def _check_decode_args(q, k_cache, v_cache, cache_seqlens, block_table, num_spli
         if t.stride(-1) != 1 and not (t is v_cache and key_major):
             raise ValueError(f"{name} must have unit stride in its last (head_dim) dim")
     if key_major:
-        check_key_major(v_cache, "v_cache")
-        if block_table is not None:
-            raise ValueError("v_cache is key-major (unit stride along keys), which a paged cache "
-                             "(block_table) cannot be: give it unit stride in head_dim")
+        check_key_major(v_cache, "v_cache")  # paged: each page's rows (page_size keys)
     if block_table is not None:
         if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != B:
             raise ValueError(
@@ -158,10 +155,10 @@ def decode(
             (head_dim) a multiple of 8 in [16, 256].
         k_cache, v_cache: contiguous [B, S_max, Hkv, D], or paged [num_pages, page_size, Hkv, D]
             (page_size a power of two >= 16) with `block_table`; same dtype/device as q;
-            Hq % Hkv == 0. Or an fp8 cache: float8_e4m3fn (both), with k_scale / v_scale; a
-            contiguous fp8 v_cache may be key-major (`longctx.fp8.key_major_v`: keys contiguous,
-            1.15-1.33x faster on an H200), its slots from each length to the next multiple of 16
-            finite (zeros unless written).
+            Hq % Hkv == 0. Or an fp8 cache: float8_e4m3fn (both), with k_scale / v_scale; an
+            fp8 v_cache may be key-major (`longctx.fp8.key_major_v`: keys contiguous, 1.15-1.33x
+            faster on an H200; paged, within each page: `key_major_v(..., paged=True)`), its
+            slots from each length to the next multiple of 16 finite (zeros unless written).
         cache_seqlens: [B] int32, valid length of each sequence (0 allowed). Default: the full
             capacity (S_max, or max_pages * page_size when paged).
         block_table: [B, max_pages] int32 page ids, in any order; pages may be shared.

@@ -85,7 +85,9 @@ def kv_bytes_per_element(cache_dtype: torch.dtype, head_dim: int) -> float:
 # through shared memory (1.15-1.33x on an H200: BENCHMARKS.md, fp8 section). The kernels read a
 # key-major V 16 keys at a time: slots from a sequence's length up to the next multiple of 16 are
 # read (times a zero probability), so they must hold finite values; a cache from `key_major_v`
-# (zero-filled) and written by longctx's kernels always does.
+# (zero-filled) and written by longctx's kernels always does. A paged cache may hold V key-major
+# within each page ([num_pages, Hkv, D, page_size], vLLM's paged V layout: `key_major_v(...,
+# paged=True)`), the same contract applying to each page's slots.
 KEY_MAJOR_ALIGN = 16
 # `key_major_v` pads each row further, to a whole number of 128-byte lines: the decode kernel
 # reads 128 keys of a row at a time, and rows starting mid-line (a capacity of 2^20 + 64 keys,
@@ -100,35 +102,49 @@ def _keys_padded(S: int, align: int = KEY_MAJOR_ALIGN) -> int:
     return -(-max(S, 1) // align) * align
 
 
-def key_major_v(shape: tuple[int, int, int, int], device: torch.device | str) -> torch.Tensor:
+def _rows(S: int, paged: bool) -> int:
+    """Positions a row of a key-major or head-major tensor holds: a page's page_size (a power of
+    two >= 16 for a paged cache, kept as is), else S padded to KEY_MAJOR_ROW_ALIGN."""
+    if paged and (S < KEY_MAJOR_ALIGN or S & (S - 1)):
+        raise ValueError(f"a paged cache's page_size (dim 1) must be a power of two >= 16, got {S}")
+    return S if paged else _keys_padded(S, KEY_MAJOR_ROW_ALIGN)
+
+
+def key_major_v(shape: tuple[int, int, int, int], device: torch.device | str,
+                paged: bool = False) -> torch.Tensor:
     """A zero-filled fp8 V cache of logical shape [B, S, Hkv, D], stored key-major (above), its
-    rows S rounded up to KEY_MAJOR_ROW_ALIGN keys long."""
+    rows S rounded up to KEY_MAJOR_ROW_ALIGN keys long. paged: shape is a paged cache's
+    [num_pages, page_size, Hkv, D], each page physically [Hkv, D, page_size] (vLLM's paged V
+    layout; the decode kernel's key-major read per page)."""
     B, S, H, D = shape
-    return torch.zeros((B, H, D, _keys_padded(S, KEY_MAJOR_ROW_ALIGN)), dtype=FP8,
+    return torch.zeros((B, H, D, _rows(S, paged)), dtype=FP8,
                        device=device)[..., :S].permute(0, 3, 1, 2)
 
 
-def head_major(shape: tuple[int, ...], dtype: torch.dtype,
-               device: torch.device | str) -> torch.Tensor:
+def head_major(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str,
+               paged: bool = False) -> torch.Tensor:
     """A zero-filled tensor of logical shape [B, S, Hkv, ...] stored head-major: physically
     [B, Hkv, S_pad, ...] (S rounded up to KEY_MAJOR_ROW_ALIGN), each head's positions
     contiguous. The model's fp8 K cache and both scales take it: a split of the decode kernel
     then reads one run of bytes per head instead of Hkv interleaved ones (2-4% faster at 32/4
     and 64/8 heads on an H200; with the usual [B, S, Hkv] layout the scales' 4 bytes a key sat
-    Hkv * 4 bytes apart; BENCHMARKS.md, fp8 section). Kernels take it by its strides."""
+    Hkv * 4 bytes apart; BENCHMARKS.md, fp8 section). Kernels take it by its strides.
+    paged: shape is a paged cache's [num_pages, page_size, Hkv, ...], each page physically
+    [Hkv, page_size, ...] (unpadded)."""
     B, S, H, *rest = shape
-    return torch.zeros((B, H, _keys_padded(S, KEY_MAJOR_ROW_ALIGN), *rest), dtype=dtype,
+    return torch.zeros((B, H, _rows(S, paged), *rest), dtype=dtype,
                        device=device)[:, :, :S].transpose(1, 2)
 
 
 def model_layout(k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor,
-                 v_scale: torch.Tensor) -> tuple[torch.Tensor, ...]:
+                 v_scale: torch.Tensor, paged: bool = False) -> tuple[torch.Tensor, ...]:
     """Copies of an fp8 cache (k, v [B, S, Hkv, D] float8_e4m3fn; k_scale, v_scale [B, S, Hkv]
     float32, any layout) in the layout the model's cache keeps (longctx.model.KVCache): k and
-    both scales `head_major`, v `key_major_v`. Returns (k, v, k_scale, v_scale), same values."""
-    k_hm, ks_hm, vs_hm = (head_major(t.shape, t.dtype, t.device).copy_(t)
+    both scales `head_major`, v `key_major_v`. Returns (k, v, k_scale, v_scale), same values.
+    paged: a paged cache ([num_pages, page_size, Hkv, ...]), laid out so within each page."""
+    k_hm, ks_hm, vs_hm = (head_major(t.shape, t.dtype, t.device, paged).copy_(t)
                           for t in (k, k_scale, v_scale))
-    return k_hm, key_major_v(v.shape, v.device).copy_(v), ks_hm, vs_hm
+    return k_hm, key_major_v(v.shape, v.device, paged).copy_(v), ks_hm, vs_hm
 
 
 def is_key_major(v: torch.Tensor) -> bool:

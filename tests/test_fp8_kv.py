@@ -77,15 +77,15 @@ def _pages(x: torch.Tensor, table: torch.Tensor, page: int, n_pages: int) -> tor
     return out.view(FP8) if x.dtype == FP8 else out
 
 
-def _decode_case(B, S, Hq, Hkv, D, paged, dtype, device, seed=0):
+def _decode_case(B, S, Hq, Hkv, D, paged, dtype, device, seed=0, page=16):
     """(q, k, v, k_scale, v_scale on `device` as the kernel takes them; block table or None;
-    q and the logical float64 K/V on the CPU)."""
+    q and the logical float64 K/V on the CPU). paged: pages of `page` slots, shuffled."""
     g = torch.Generator().manual_seed(seed)
     (kq, ks), (vq, vs) = (quantize_kv(t) for t in _kv((B, S, Hkv, D), g))
     q = torch.randn(B, Hq, D, generator=g).to(dtype)
     bt, kernel_in = None, (kq, vq, ks, vs)
     if paged:
-        page, per_seq = 16, -(-S // 16)
+        per_seq = -(-S // page)
         n_pages = B * per_seq + 2
         table = torch.randperm(n_pages, generator=g)[:B * per_seq].view(B, per_seq).to(torch.int32)
         kernel_in = tuple(_pages(t, table, page, n_pages) for t in kernel_in)
@@ -163,6 +163,64 @@ def test_decode_kernel_reads_key_major_v(device, B, S, Hq, Hkv, D, lens, splits)
     assert o_km.isfinite().all()
     torch.testing.assert_close(o_km, o, rtol=0, atol=1e-3)
     torch.testing.assert_close(lse_km, lse, rtol=0, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.interpreter
+@pytest.mark.parametrize("B,S,Hq,Hkv,D,lens,splits,page", [
+    (3, 97, 6, 2, 32, [97, 0, 1], 3, 16),      # key blocks over several pages; lengths 0 and 1
+    (2, 40, 4, 4, 48, [40, 17], 8, 64),        # a block within a page; head_dim 48 (padded)
+    (2, 300, 16, 2, 128, [300, 129], 2, 128),  # the model's tile, one page a block
+    (2, 300, 16, 2, 128, [300, 129], 2, 32),   # the model's tile, four pages a block
+])
+def test_decode_kernel_reads_paged_key_major_v(device, B, S, Hq, Hkv, D, lens, splits, page):
+    """A paged fp8 cache whose pages hold V key-major (longctx.fp8.key_major_v(paged=True),
+    vLLM's paged V layout; K and the scales head-major within each page, `model_layout`) gives
+    the contiguous key-major cache's output bit for bit, and reads no slot from a length rounded
+    up to 16 on, nor a page outside the table (NaN bytes there, 0x7f: widened to NaN on the GPU,
+    which p = 0 does not cancel)."""
+    from longctx.fp8 import is_key_major, key_major_v, model_layout
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float16
+    (q, kc, vc, ks, vs), bt, _ = _decode_case(B, S, Hq, Hkv, D, True, dtype, "cpu", page=page)
+    pages = model_layout(kc, vc, ks, vs, paged=True)
+    pk, pv, pks, pvs = pages
+    assert is_key_major(pv) and pv.stride(1) == 1 and pv.stride(3) == page
+    assert all(torch.equal(a.float(), b.float()) for a, b in zip(pages, (kc, vc, ks, vs)))
+    raw = pv.view(torch.uint8)  # the same storage: NaN bytes past each length, outside the table
+    used = torch.zeros(pv.shape[0], dtype=torch.bool)
+    used[bt.long().flatten()] = True
+    raw[~used] = 0x7F
+    for b, n in enumerate(lens):
+        for pos in range(-(-n // 16) * 16, bt.shape[1] * page):
+            raw[bt[b, pos // page], pos % page] = 0x7F
+    (q, kc, vc, ks, vs), _, _ = _decode_case(B, S, Hq, Hkv, D, False, dtype, device)
+    vkm = key_major_v(vc.shape, device)
+    vkm.copy_(vc)
+    lens_t = torch.tensor(lens, dtype=torch.int32, device=device)
+    scale = D**-0.5
+    want, want_lse = flash_decode(q, kc, vkm, lens_t, None, scale, splits, k_scale=ks,
+                                  v_scale=vs)
+    pk, pv, pks, pvs = (t.to(device) for t in pages)
+    assert pv.stride() == pages[1].stride()
+    o, lse = flash_decode(q, pk, pv, lens_t, bt.to(device), scale, splits, k_scale=pks,
+                          v_scale=pvs)
+    assert o.isfinite().all()
+    assert torch.equal(o, want) and torch.equal(lse, want_lse)
+
+
+def test_key_major_rule_by_page_size():
+    """A key-major V takes its own launch rule contiguous or in pages of >= 128 keys; smaller pages
+    (a key block over several pages) the usual layout's (kernels/decode.py key_major_rule)."""
+    from longctx.fp8 import key_major_v
+    from longctx.kernels.decode import KEY_MAJOR_MIN_PAGE, key_major_rule
+
+    assert KEY_MAJOR_MIN_PAGE == 128
+    assert key_major_rule(True, key_major_v((2, 300, 2, 128), "cpu"), None)
+    assert not key_major_rule(True, torch.empty(2, 300, 2, 128, dtype=FP8), None)
+    for page, want in ((16, False), (64, False), (128, True), (256, True)):
+        assert key_major_rule(True, key_major_v((4, page, 2, 128), "cpu", paged=True), page) == want
+        assert not key_major_rule(True, torch.empty(4, page, 2, 128, dtype=FP8), page)
 
 
 def _head_major_copy(x: torch.Tensor, device) -> torch.Tensor:
@@ -685,11 +743,18 @@ def test_decode_api_key_major_v_and_its_refusals():
     with pytest.raises(ValueError, match="v_cache must have unit stride in its last .*only an fp8"):
         f = vq.float()
         longctx.decode(q, f, f.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2))
-    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
-    pk, pks, pvs = (_pages(t, table, 16, 4) for t in (kq[:, :32], ks[:, :32], vs[:, :32]))
-    pv = key_major_v(pk.shape, "cpu")
-    with pytest.raises(ValueError, match="v_cache is key-major .* a paged cache"):
-        longctx.decode(q, pk, pv, k_scale=pks, v_scale=pvs, block_table=table)
+    # Paged: each page's V key-major (rows of page_size keys).
+    table = torch.tensor([[3, 1, 4], [0, 2, 5]], dtype=torch.int32)
+    pk, pv, pks, pvs = (_pages(t, table, 16, 6) for t in (kq, vq, ks, vs))
+    pvkm = key_major_v(pv.shape, "cpu", paged=True)
+    pvkm.copy_(pv)
+    assert pvkm.stride() == (2 * 16 * 16, 1, 16 * 16, 16)
+    o_p, o_pkm = (longctx.decode(q, pk, v, k_scale=pks, v_scale=pvs, block_table=table,
+                                 cache_seqlens=lens) for v in (pv, pvkm))
+    torch.testing.assert_close(o_pkm, o_p, rtol=0, atol=0)
+    torch.testing.assert_close(o_pkm, o, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="page_size .* must be a power of two >= 16, got 24"):
+        key_major_v((6, 24, 2, 16), "cpu", paged=True)
 
 
 @pytest.mark.parametrize("change,match", [
