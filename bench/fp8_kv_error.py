@@ -1,6 +1,7 @@
 """The fp8 (e4m3) KV cache's quantization error, by scale granularity, on the CPU (float32 model).
 
     .venv/bin/python bench/fp8_kv_error.py          # ~1 min; needs the test extra (transformers)
+    .venv/bin/python bench/fp8_kv_error.py --train-steps 1500   # + a small trained Llama (~15 min)
 
 Three granularities of the float32 scale, each with the same e4m3 values (x / scale, saturated):
   tensor:     one scale per layer's K (and V), static: the prompt's amax (new tokens saturate);
@@ -22,13 +23,20 @@ Two measurements, against the float32 cache of the same model:
       top-1 agreement over every decoded position (with the float32 cache's, and with the bf16
       cache's: the issue's yardstick), and the median lead of the float32 top-1 logit over the
       second (how close to a tie these random models decode).
+  --train-steps N adds a trained model, whose margins are a trained checkpoint's rather than a
+      random one's: a byte-level Llama (transformers, 2 layers, 192 wide, 6/2 heads of 32) trained
+      here for N steps on this Python's standard-library source (`trained_llama`), saved with
+      save_pretrained and read back like the others, prompted with held-out source.
 Prints one markdown table per measurement (for BENCHMARKS.md).
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
+import math
 import sys
+import sysconfig
 import tempfile
 from pathlib import Path
 
@@ -131,7 +139,49 @@ def _builder(args: ModelArgs, weights):
 BATCH, PROMPT, STEPS = 16, 48, 64  # 1024 positions: one is 0.1% of the agreement
 
 
+def trained_llama(path: Path, steps: int, seed: int = 0) -> torch.Tensor:
+    """A small byte-level LlamaForCausalLM trained for `steps` (AdamW, batches of 16 x 256 bytes,
+    cosine schedule) on the top-level .py files of this Python's standard library (sorted, joined),
+    saved to `path` by save_pretrained. Returns the held-out last 5% of those bytes (int64), from
+    which the prompts come."""
+    import transformers
+    from tqdm import tqdm
+
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    data = torch.frombuffer(bytearray(b"".join(f.read_bytes() for f in files)),
+                            dtype=torch.uint8).long()
+    split = int(len(data) * 0.95)
+    train = data[:split]
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=192, intermediate_size=512,
+                                   num_hidden_layers=2, num_attention_heads=6,
+                                   num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+                                   rope_theta=1e4, tie_word_embeddings=False)
+    model = transformers.LlamaForCausalLM(cfg).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda i: min(1.0, (i + 1) / 50) * 0.5 * (1 + math.cos(math.pi * i / steps)))
+    g = torch.Generator().manual_seed(seed)
+    bar = tqdm(range(steps), desc="training", unit="step")
+    for _ in bar:
+        starts = torch.randint(0, len(train) - 257, (16,), generator=g)
+        x = torch.stack([train[i:i + 257] for i in starts.tolist()])
+        loss = model(input_ids=x, labels=x).loss
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        bar.set_postfix(loss=f"{loss.item():.3f}")
+    model.eval().save_pretrained(path, safe_serialization=True)
+    return data[split:]
+
+
 def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--train-steps", type=int, default=0,
+                    help="also measure a byte-level Llama trained here for this many steps")
+    args = ap.parse_args()
     torch.manual_seed(0)
     print("decode attention, 4 x 4096 keys, 32/8 heads, D=128, 4 outlier channels of K (5x): "
           "max |dO| / max |O| against float64 (bf16: the cache rounded to bfloat16, the yardstick)")
@@ -151,14 +201,26 @@ def main() -> None:
     wide = ModelArgs(name="codellama-width", n_layers=1, dim=8192, n_heads=64, n_kv_heads=8,
                      head_dim=128, intermediate_size=1024, vocab_size=2048, rope_theta=1e6)
     models["CodeLlama width (64/8, D=128, 1 layer)"] = (_builder(wide, RandomWeights(0)), 2048)
+    prompts = {}
+    if args.train_steps:
+        name = f"byte Llama trained {args.train_steps} steps (transformers)"
+        held = trained_llama(tmp / "trained", args.train_steps)
+        ckpt = HFCheckpoint(tmp / "trained")
+        models[name] = (_builder(ckpt.args(), ckpt), 256)
+        starts = torch.randint(0, len(held) - PROMPT, (BATCH,),
+                               generator=torch.Generator().manual_seed(1))
+        prompts[name] = torch.stack([held[i:i + PROMPT] for i in starts.tolist()])
     print(f"\nmodels, teacher-forced on the float32 cache's greedy tokens (batch {BATCH}, prompt "
-          f"{PROMPT}, {STEPS} steps): logits against the float32 cache; 'bf16' rounds the "
-          "cache to bfloat16 instead (what the margins of these random models allow)")
+          f"{PROMPT}, {STEPS} steps; random prompts, held-out source for a trained model): logits "
+          "against the float32 cache; 'bf16' rounds the cache to bfloat16 instead")
     print("| model | granularity | max abs | mean abs | KL | top-1 agreement | with the bf16 cache "
           "|\n|---|---|---|---|---|---|---|")
     margins = {}
     for name, (build, vocab) in models.items():
-        prompt = torch.randint(0, vocab, (BATCH, PROMPT), generator=torch.Generator().manual_seed(1))
+        prompt = prompts.get(name)
+        if prompt is None:
+            prompt = torch.randint(0, vocab, (BATCH, PROMPT),
+                                   generator=torch.Generator().manual_seed(1))
         for gran, r in model_error(build, prompt, STEPS).items():
             margins[name] = r["margin"]
             print(f"| {name} | {gran} | {r['max']:.3e} | {r['mean']:.3e} | {r['kl']:.2e} | "
