@@ -23,6 +23,8 @@ Two measurements, against the float32 cache of the same model:
       top-1 agreement over every decoded position (with the float32 cache's, and with the bf16
       cache's: the issue's yardstick), and the median lead of the float32 top-1 logit over the
       second (how close to a tie these random models decode).
+  "smoothed (emulated)": longctx's rule on K and V less their mean per (KV head, channel) over the
+      prompt, added back (tests/kv_rounding.py "smooth"; not implemented in longctx's cache).
   --train-steps N adds a trained model, whose margins are a trained checkpoint's rather than a
       random one's: a byte-level Llama (transformers, 2 layers, 192 wide, 6/2 heads of 32) trained
       here for N steps on this Python's standard-library source (`trained_llama`), saved with
@@ -103,7 +105,8 @@ def model_error(build, prompt: torch.Tensor, steps: int) -> dict[str, dict[str, 
     # bf16: the yardstick, the cache rounded to bfloat16; "K only" / "V only": longctx's rule on
     # one of them (emulated in float32), the other kept float32: where the error comes from.
     variants = {"bf16": "bf16", "tensor": "tensor", "head": "head", "token+head": None,
-                "token+head, K only": ("row", "none"), "token+head, V only": ("none", "row")}
+                "token+head, K only": ("row", "none"), "token+head, V only": ("none", "row"),
+                "token+head, smoothed (emulated)": "smooth"}
     top2 = want.topk(2, dim=-1).values
     margin = float((top2[..., 0] - top2[..., 1]).median())  # the float32 cache's top-1 lead
     bf16_top1 = None
