@@ -17,7 +17,7 @@ import torch
 import longctx
 from longctx.config import ModelArgs, check_decode_config
 from longctx.fp8 import FP8, dequantize_kv, quantize_kv, resolve_kv_cache_dtype
-from longctx.kernels.decode import flash_decode
+from longctx.kernels.decode import flash_decode, flash_decode_partials
 from longctx.kernels.prefill import flash_attention_fwd
 from longctx.kernels.utils import FP_FUSION
 from longctx.merge import merge_states
@@ -207,6 +207,13 @@ def test_decode_kernel_reads_paged_key_major_v(device, B, S, Hq, Hkv, D, lens, s
                           v_scale=pvs)
     assert o.isfinite().all()
     assert torch.equal(o, want) and torch.equal(lse, want_lse)
+    # The small pages' launch (key_major_rule): 64-key blocks of 2 warps, the partial states.
+    parts = [flash_decode_partials(q, *kv, lens_t, table, scale, splits, config=(64, 2, 3),
+                                   k_scale=sk, v_scale=sv)
+             for kv, table, sk, sv in (((kc, vkm), None, ks, vs), ((pk, pv), bt.to(device), pks,
+                                                                   pvs))]
+    assert parts[1][0].isfinite().all()
+    assert torch.equal(parts[1][0], parts[0][0]) and torch.equal(parts[1][1], parts[0][1])
 
 
 def test_key_major_rule_by_page_size():
