@@ -7,7 +7,9 @@ Three granularities of the float32 scale, each with the same e4m3 values (x / sc
   tensor:     one scale per layer's K (and V), static: the prompt's amax (new tokens saturate);
   head:       one per (layer, KV head), static likewise;
   token+head: one per (token, KV head), computed as each row is written (longctx.fp8), run
-              through longctx's own fp8 cache.
+              through longctx's own fp8 cache: plain (kv_smoothing=False), and "smoothed" (the
+              model's default: K and V less each sequence's means over its first prefill chunk,
+              per KV head and channel, which the attention adds back).
 and, as the yardstick, the cache rounded to bfloat16 (what the models' logit margins allow); the
 model table adds token+head on K alone and on V alone (the other kept float32): where the error
 comes from.
@@ -23,8 +25,6 @@ Two measurements, against the float32 cache of the same model:
       top-1 agreement over every decoded position (with the float32 cache's, and with the bf16
       cache's: the issue's yardstick), and the median lead of the float32 top-1 logit over the
       second (how close to a tie these random models decode).
-  "smoothed (emulated)": longctx's rule on K and V less their mean per (KV head, channel) over the
-      prompt, added back (tests/kv_rounding.py "smooth"; not implemented in longctx's cache).
   --train-steps N adds a trained model, whose margins are a trained checkpoint's rather than a
       random one's: a byte-level Llama (transformers, 2 layers, 192 wide, 6/2 heads of 32) trained
       here for N steps on this Python's standard-library source (`trained_llama`), saved with
@@ -86,7 +86,7 @@ def model_error(build, prompt: torch.Tensor, steps: int) -> dict[str, dict[str, 
     B, P = prompt.shape
 
     def run(model):
-        model.setup_caches(B, P + steps, model.kv_cache_dtype)
+        model.setup_caches(B, P + steps, model.kv_cache_dtype, model.kv_smoothing)
         logits = [model.prefill(prompt, torch.arange(P), chunk=None)]
         for i in range(steps - 1):
             logits.append(model.decode_step(tokens[:, i], torch.full((B,), P + i)))
@@ -103,16 +103,18 @@ def model_error(build, prompt: torch.Tensor, steps: int) -> dict[str, dict[str, 
     want = torch.stack(logits).double()
     out = {}
     # bf16: the yardstick, the cache rounded to bfloat16; "K only" / "V only": longctx's rule on
-    # one of them (emulated in float32), the other kept float32: where the error comes from.
-    variants = {"bf16": "bf16", "tensor": "tensor", "head": "head", "token+head": None,
+    # one of them (emulated in float32), the other kept float32: where the error comes from;
+    # True / False: longctx's own fp8 cache, smoothed or not.
+    variants = {"bf16": "bf16", "tensor": "tensor", "head": "head", "token+head": False,
                 "token+head, K only": ("row", "none"), "token+head, V only": ("none", "row"),
-                "token+head, smoothed (emulated)": "smooth"}
+                "token+head, smoothed": True}
     top2 = want.topk(2, dim=-1).values
     margin = float((top2[..., 0] - top2[..., 1]).median())  # the float32 cache's top-1 lead
     bf16_top1 = None
     for gran, fmt in variants.items():
-        if fmt is None:  # longctx's own fp8 cache
+        if isinstance(fmt, bool):  # longctx's own fp8 cache, smoothed or not
             model = build(None, FP8)
+            model.kv_smoothing = fmt
         else:
             model = build(functools.partial(RoundedKVCache, fmt=fmt), None)
         got = run(model)
@@ -134,7 +136,7 @@ def _builder(args: ModelArgs, weights):
                         max_seq_len=1)
         if make_cache is not None:
             m.make_cache = make_cache
-        m.kv_cache_dtype = kv_dtype
+        m.kv_cache_dtype, m.kv_smoothing = kv_dtype, False
         return m
     return build
 

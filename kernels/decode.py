@@ -267,6 +267,7 @@ def _decode_split_kernel(
     Q, K, V, SEQLENS, BLOCK_TABLE, O_PART, LSE_PART,
     O, LSE, ARRIVED,  # FUSED_MERGE: merged outputs, arrival counters (else unused)
     K_SCALE, V_SCALE,  # FP8: float32 [dim0, dim1, Hkv] per-key scales (else unused)
+    K_MEAN, V_MEAN,  # HAS_MEAN: float32 [B, Hkv, HEAD_DIM] contiguous smoothing means (else unused)
     qk_scale,  # softmax_scale * log2(e): scores live in the exp2 domain
     num_splits,
     capacity,  # keys the cache can hold per sequence: a longer cache_seqlens entry is invalid
@@ -301,9 +302,11 @@ def _decode_split_kernel(
     FP8_WIDEN: tl.constexpr = False,  # FP8: V's tiles widened by cvt (`_widen_e4m3`)
     D_HI: tl.constexpr = 0,  # a split head's second tile (`head_tiles`): BLOCK_D + D_HI = HEAD_DIM
     V_KEY_MAJOR: tl.constexpr = False,  # FP8: V stored key-major (`_attend_block`, longctx.fp8)
+    HAS_MEAN: tl.constexpr = False,  # FP8: the cache holds K - K_MEAN, V - V_MEAN (longctx.fp8)
 ):
     tl.static_assert(not (FP8 and D_HI > 0))  # an fp8 cache widens and scales whole tiles
     tl.static_assert(not V_KEY_MAJOR or FP8)
+    tl.static_assert(not HAS_MEAN or FP8)
     pdl_wait(USE_PDL)  # q and the newest K/V come from the kernels before
     split = tl.program_id(0)
     bh = tl.program_id(1)
@@ -347,13 +350,27 @@ def _decode_split_kernel(
     # ---- q tile [BLOCK_H, D]; padded rows are zero and never stored ----
     q_ptrs = (Q + b64 * stride_qb + q_head[:, None].to(tl.int64) * stride_qh
               + (k_lo + offs_d)[None, :])
+    if HAS_MEAN:
+        # Smoothing: every score over K = cache + K_MEAN gains softmax_scale q.K_MEAN, the same
+        # for all keys, so only the LSE moves; the weights sum to 1, so the output gains V_MEAN
+        # (both added to the state below). Each split's state is then exact and merges
+        # unchanged. Both means are loaded with q, V's held to the end: no load of its own.
+        mean_ptrs = (b64 * HKV + hkv) * HEAD_DIM + offs_d
+        d_mask = offs_d < HEAD_DIM
+        k_mean = tl.load(K_MEAN + mean_ptrs, mask=d_mask, other=0.0)
+        v_mean = tl.load(V_MEAN + mean_ptrs, mask=d_mask, other=0.0)
+        sm_scale = qk_scale * 0.6931471805599453  # qk_scale * ln(2): scores' natural-log units
     if FP8 and Q.dtype.element_ty == tl.float32:
         q = tl.load(q_ptrs, mask=hd_mask, other=0.0)  # fp32 dots on the widened tiles
+        if HAS_MEAN:
+            lse_shift = tl.sum(q * k_mean[None, :], axis=1) * sm_scale
     elif FP8:
         # Half precision: the dots run in float16 (cheap to widen e4m3 to, `_widen_e4m3`), q
         # scaled into [-1, 1] by a power of two (exact: float16's range for any q, and bf16's
         # 8 significant bits fit its 11), the scale going onto the scores.
         q = tl.load(q_ptrs, mask=hd_mask, other=0.0).to(tl.float32)
+        if HAS_MEAN:
+            lse_shift = tl.sum(q * k_mean[None, :], axis=1) * sm_scale
         q_max = tl.maximum(tl.max(tl.max(tl.abs(q), axis=1), axis=0), 1e-30)
         q_pow2 = ((1.0 / q_max).to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32,
                                                                              bitcast=True)
@@ -409,6 +426,9 @@ def _decode_split_kernel(
     else:
         o = acc / l_safe[:, None]  # acc == 0 for empty rows -> exactly 0
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)  # * ln(2)
+    if HAS_MEAN:  # an empty state stays o = 0, lse = -inf
+        o = tl.where(empty[:, None], o, o + v_mean[None, :])
+        lse += lse_shift
     o = tl.where(len_ok, o, float("nan"))
     lse = tl.where(len_ok, lse, float("nan"))
 
@@ -538,8 +558,8 @@ def _split_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   cache_seqlens: torch.Tensor | None, block_table: torch.Tensor | None,
                   softmax_scale: float, num_splits: int, out_dtype: torch.dtype,
                   config: tuple[int, int, int] | None = None, fused_merge: bool = False,
-                  k_scale: torch.Tensor | None = None,
-                  v_scale: torch.Tensor | None = None) -> Launch:
+                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                  means: bool = False) -> Launch:
     """The split kernel's launch for these inputs (read for shapes, strides, dtypes and device
     only), writing contiguous o_part [num_splits, B, Hq, D] out_dtype and lse_part
     [num_splits, B, Hq] float32; with fused_merge (out_dtype float32) also their merge, o
@@ -547,7 +567,9 @@ def _split_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     `fused_counters(...)` int32 zeros. Dynamic arguments: the pointers of q, k_cache, v_cache,
     cache_seqlens (q's without one), block_table (cache_seqlens' without one), o_part, lse_part,
     o, lse, counters (without fused_merge any pointers: unused), k_scale, v_scale (an fp8 cache's
-    float32 [dim0, dim1, Hkv] scales; else any pointers: unused). q: [B, Hq, D] or [B, 1, Hq, D]."""
+    float32 [dim0, dim1, Hkv] scales; else any pointers: unused), k_mean, v_mean (with means:
+    a smoothed fp8 cache's contiguous [B, Hkv, D] float32 means; else any pointers: unused).
+    q: [B, Hq, D] or [B, 1, Hq, D]."""
     B, Hq, D = q.shape[0], q.shape[-2], q.shape[-1]
     Hkv = k_cache.shape[2]
     paged = block_table is not None
@@ -601,7 +623,7 @@ def _split_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         (q.dtype, k_cache.dtype, v_cache.dtype, sl_dtype,
          sl_dtype if block_table is None else block_table.dtype, out_dtype, torch.float32,
          q.dtype if fused_merge else out_dtype, torch.float32, torch.int32,
-         torch.float32, torch.float32),
+         torch.float32, torch.float32, torch.float32, torch.float32),
         (float(softmax_scale) * _LOG2E, num_splits, capacity, num_pages,
          q.stride(0), q.stride(-2), *sk[:3], *sv[:3], sv[3],
          0 if cache_seqlens is None else cache_seqlens.stride(0), stride_btb,
@@ -615,7 +637,7 @@ def _split_launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              HAS_SEQLENS=cache_seqlens is not None, **merge, KV_STRIDES_8=kv_strides_8,
              ALIGN_TILES=align_tiles, FP8=fp8,
              FP8_WIDEN=widen, D_HI=d_hi, V_KEY_MAJOR=key_major,
-             num_warps=num_warps,
+             **({"HAS_MEAN": True} if means else {}), num_warps=num_warps,
              num_stages=num_stages, **pdl_launch(q.device)))
 
 
@@ -637,6 +659,8 @@ def flash_decode_partials(
     config: tuple[int, int, int] | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    k_mean: torch.Tensor | None = None,
+    v_mean: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-KV decode attention; returns the un-merged partial states.
 
@@ -648,7 +672,8 @@ def flash_decode_partials(
         k_cache, v_cache: contiguous [B, S_max, Hkv, D] (block_table None) or paged
             [num_pages, page_size, Hkv, D]; last-dim stride 1. Or float8_e4m3fn, with k_scale,
             v_scale float32 [B, S_max, Hkv] / [num_pages, page_size, Hkv] (any strides):
-            key j of head h is k_cache[.., j, h, :] * k_scale[.., j, h] (V likewise).
+            key j of head h is k_cache[.., j, h, :] * k_scale[.., j, h] (V likewise); plus
+            k_mean[b, h] (V: v_mean) for a smoothed cache (contiguous [B, Hkv, D] float32).
         cache_seqlens: [B] int32 on q's device, or None: every sequence holds `capacity` keys.
             A length outside [0, capacity] or a page id outside [0, num_pages) within the
             length makes that sequence's output NaN.
@@ -665,15 +690,17 @@ def flash_decode_partials(
     """
     B, Hq, D = q.shape
     launch = _split_launch(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale,
-                           num_splits, out_dtype, config, k_scale=k_scale, v_scale=v_scale)
+                           num_splits, out_dtype, config, k_scale=k_scale, v_scale=v_scale,
+                           means=k_mean is not None)
     o_part = torch.empty((num_splits, B, Hq, D), device=q.device, dtype=out_dtype)
     lse_part = torch.empty((num_splits, B, Hq), device=q.device, dtype=torch.float32)
     sl = q if cache_seqlens is None else cache_seqlens
     bt = sl if block_table is None else block_table
     ks, vs = (lse_part, lse_part) if k_scale is None else (k_scale, v_scale)
+    km, vm = (ks, vs) if k_mean is None else (k_mean, v_mean)
     # Tuning: Triton's launch path. o, lse and the counters (fused merge only) are not used.
     launch.generic(q, k_cache, v_cache, sl, bt, o_part, lse_part, o_part, lse_part, lse_part,
-                   ks, vs)
+                   ks, vs, km, vm)
     return o_part, lse_part
 
 
@@ -699,7 +726,7 @@ class DecodePlan:
                  cache_seqlens: torch.Tensor | None, block_table: torch.Tensor | None,
                  softmax_scale: float, num_splits: int | None, return_lse: bool,
                  merge: str = "auto", k_scale: torch.Tensor | None = None,
-                 v_scale: torch.Tensor | None = None) -> None:
+                 v_scale: torch.Tensor | None = None, means: bool = False) -> None:
         B, Hq, D = q.shape[0], q.shape[-2], q.shape[-1]
         if num_splits is None:
             capacity = (block_table.shape[1] * k_cache.shape[1] if block_table is not None
@@ -721,7 +748,7 @@ class DecodePlan:
         self.counters = 0
         if rows == 0:
             return
-        scales = dict(k_scale=k_scale, v_scale=v_scale)
+        scales = dict(k_scale=k_scale, v_scale=v_scale, means=means)
         if num_splits == 1:
             self.split = _split_launch(q, k_cache, v_cache, cache_seqlens, block_table,
                                        softmax_scale, 1, q.dtype, **scales)
@@ -739,11 +766,13 @@ class DecodePlan:
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  cache_seqlens: torch.Tensor | None, block_table: torch.Tensor | None,
                  device: int | None, k_scale: torch.Tensor | None = None,
-                 v_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 v_scale: torch.Tensor | None = None, k_mean: torch.Tensor | None = None,
+                 v_mean: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(o shaped like q in q's dtype, lse float32 shaped like o without head_dim ([B, Hq] or
         [B, 1, Hq]), or None when not return_lse).
         device: the current CUDA device for fast launches, None for Triton's path. k_scale,
-        v_scale: an fp8 cache's scales (the plan was made with them)."""
+        v_scale: an fp8 cache's scales (the plan was made with them); k_mean, v_mean: its
+        smoothing means (the plan was made with means=True)."""
         dev = q.device
         # o has q's shape and dtype: empty_like parses its arguments in half torch.empty's time.
         o = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -766,32 +795,36 @@ class DecodePlan:
             # An fp8 cache's scales; otherwise o's pointer (never dereferenced; allocated here, so
             # aligned: the binary is the one without them).
             ksp, vsp = (op, op) if k_scale is None else (k_scale.data_ptr(), v_scale.data_ptr())
+            kmp, vmp = (op, op) if k_mean is None else (k_mean.data_ptr(), v_mean.data_ptr())
             if self.num_splits == 1:
-                self.split((qp, kp, vp, slp, btp, op, lp, op, lp, lp, ksp, vsp), device)
+                self.split((qp, kp, vp, slp, btp, op, lp, op, lp, lp, ksp, vsp, kmp, vmp), device)
             elif self.merge is None:  # fused merge
                 counters = stream_counters(self.counters, device)
                 self.split((qp, kp, vp, slp, btp, base, base + 4 * self.lse_part_off, op, lp,
-                            counters.data_ptr(), ksp, vsp), device)
+                            counters.data_ptr(), ksp, vsp, kmp, vmp), device)
             else:
                 lpp = base + 4 * self.lse_part_off
-                self.split((qp, kp, vp, slp, btp, base, lpp, op, lp, lp, ksp, vsp), device)
+                self.split((qp, kp, vp, slp, btp, base, lpp, op, lp, lp, ksp, vsp, kmp, vmp),
+                           device)
                 self.merge((base, lpp, op, lp), device)
             return o, lse
         scratch = torch.empty(self.scratch, dtype=torch.float32, device=dev) if self.scratch else None
         lse_out = lse if lse is not None else scratch[self.lse_off:]
         ks, vs = (lse_out, lse_out) if k_scale is None else (k_scale, v_scale)
+        km, vm = (ks, vs) if k_mean is None else (k_mean, v_mean)
         if self.num_splits == 1:
-            self.split.generic(q, k_cache, v_cache, sl, bt, o, lse_out, o, lse_out, lse_out, ks, vs)
+            self.split.generic(q, k_cache, v_cache, sl, bt, o, lse_out, o, lse_out, lse_out, ks, vs,
+                               km, vm)
             return o, lse
         o_part = scratch[:self.lse_part_off]
         lse_part = scratch[self.lse_part_off:self.lse_off]
         if self.merge is None:  # fused merge
             counters = torch.zeros(self.counters, dtype=torch.int32, device=dev)
             self.split.generic(q, k_cache, v_cache, sl, bt, o_part, lse_part, o, lse_out, counters,
-                               ks, vs)
+                               ks, vs, km, vm)
         else:
             self.split.generic(q, k_cache, v_cache, sl, bt, o_part, lse_part, o, lse_out, lse_out,
-                               ks, vs)
+                               ks, vs, km, vm)
             self.merge.generic(o_part, lse_part, o, lse_out)
         return o, lse
 
@@ -830,6 +863,8 @@ def flash_decode(
     merge: str = "auto",
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    k_mean: torch.Tensor | None = None,
+    v_mean: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Flash-Decoding: split kernel, then the merge of the splits (`merge`: "fused" in the
     split kernel, "separate" by the merge layer's kernel, "auto" as `fuse_merge` decides).
@@ -837,14 +872,17 @@ def flash_decode(
     q [B, Hq, D] or [B, 1, Hq, D]. Returns o shaped like q in q's dtype and lse float32 natural log
     shaped like o without head_dim ([B, Hq] or [B, 1, Hq]). With one split the split kernel writes
     the final output directly (no merge). cache_seqlens None: every sequence is full. An fp8 cache
-    takes its scales (k_scale, v_scale; see flash_decode_partials).
+    takes its scales (k_scale, v_scale) and a smoothed one its means (k_mean, v_mean; see
+    flash_decode_partials).
 
     Launches through Triton's generic path; longctx.decode caches the DecodePlan per input
     signature and launches directly.
     """
     plan = DecodePlan(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale,
-                      num_splits, return_lse=True, merge=merge, k_scale=k_scale, v_scale=v_scale)
-    return plan(q, k_cache, v_cache, cache_seqlens, block_table, None, k_scale, v_scale)
+                      num_splits, return_lse=True, merge=merge, k_scale=k_scale, v_scale=v_scale,
+                      means=k_mean is not None)
+    return plan(q, k_cache, v_cache, cache_seqlens, block_table, None, k_scale, v_scale, k_mean,
+                v_mean)
 
 
 # choose_num_splits' arguments for an fp8 cache, swept on an H100 (bench/results/

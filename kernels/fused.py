@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from longctx.fp8 import FP8, is_key_major
-from longctx.kernels.utils import cdiv, next_power_of_2, pdl_launch, pdl_wait
+from longctx.kernels.utils import FP_FUSION, cdiv, next_power_of_2, pdl_launch, pdl_wait
 
 
 @triton.jit
@@ -206,12 +206,14 @@ def _head_tile(bh, j, H, SEQ, BLOCK_S: tl.constexpr, D: tl.constexpr, BLOCK_D: t
 
 
 @triton.jit
-def _store_fp8_kernel(X, Y, S, stride_xb, stride_xs, stride_xh, stride_yb, stride_ys, stride_yh,
-                      stride_yd, stride_sb, stride_ss, stride_sh, SEQ, H, BLOCK_H: tl.constexpr,
-                      D: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr):
+def _store_fp8_kernel(X, Y, S, MEAN, stride_xb, stride_xs, stride_xh, stride_yb, stride_ys,
+                      stride_yh, stride_yd, stride_sb, stride_ss, stride_sh, SEQ, H,
+                      BLOCK_H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                      USE_PDL: tl.constexpr, HAS_MEAN: tl.constexpr = False):
     # One program per token t = b * SEQ + s: its H heads quantized (one scale per head), the fp8
     # rows to Y (any strides: stride_yd is 1, a constant once specialised, unless Y is a
-    # key-major V) and the scales to S (any strides).
+    # key-major V) and the scales to S (any strides). HAS_MEAN: less MEAN [B, H, D] float32
+    # (contiguous; longctx.fp8's smoothing).
     pdl_wait(USE_PDL)
     t = tl.program_id(0)
     b = (t // SEQ).to(tl.int64)
@@ -222,6 +224,8 @@ def _store_fp8_kernel(X, Y, S, stride_xb, stride_xs, stride_xh, stride_yb, strid
     head = offs_h[:, None].to(tl.int64)
     x = tl.load(X + b * stride_xb + s * stride_xs + head * stride_xh + offs_d[None, :], mask=mask,
                 other=0.0).to(tl.float32)
+    if HAS_MEAN:
+        x -= tl.load(MEAN + (b * H + head) * D + offs_d[None, :], mask=mask, other=0.0)
     scale, div = _fp8_scale(tl.max(tl.abs(x), axis=1))
     y_cols = offs_d[None, :].to(tl.int64) * stride_yd
     tl.store(Y + b * stride_yb + s * stride_ys + head * stride_yh + y_cols,
@@ -231,10 +235,10 @@ def _store_fp8_kernel(X, Y, S, stride_xb, stride_xs, stride_xh, stride_yb, strid
 
 
 @triton.jit
-def _store_fp8_keys_kernel(X, Y, S, stride_xb, stride_xs, stride_xh, stride_yb, stride_yh,
-                           stride_yd, stride_sb, stride_ss, stride_sh, SEQ, H,
+def _store_fp8_keys_kernel(X, Y, S, MEAN, stride_xb, stride_xs, stride_xh, stride_yb,
+                           stride_yh, stride_yd, stride_sb, stride_ss, stride_sh, SEQ, H,
                            BLOCK_S: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                           USE_PDL: tl.constexpr):
+                           USE_PDL: tl.constexpr, HAS_MEAN: tl.constexpr = False):
     # `_store_fp8_kernel` into a key-major Y (unit stride along tokens): program (b * H + h, j)
     # quantizes tokens [j BLOCK_S, (j + 1) BLOCK_S) of head h, each row with its own scale, and
     # writes the tile transposed, so that each head_dim column's bytes go out as runs of
@@ -245,58 +249,71 @@ def _store_fp8_keys_kernel(X, Y, S, stride_xb, stride_xs, stride_xh, stride_yb, 
                                           BLOCK_D)
     x = tl.load(X + b * stride_xb + h * stride_xh + rows[:, None] * stride_xs + offs_d[None, :],
                 mask=mask, other=0.0).to(tl.float32)
+    if HAS_MEAN:
+        x -= tl.load(MEAN + (b * H + h) * D + offs_d, mask=offs_d < D, other=0.0)[None, :]
     scale, div = _fp8_scale(tl.max(tl.abs(x), axis=1))
     y = Y + b * stride_yb + h * stride_yh + offs_d[None, :].to(tl.int64) * stride_yd + rows[:, None]
     tl.store(y, _div_rows(x, div).to(Y.dtype.element_ty), mask=mask)
     tl.store(S + b * stride_sb + h * stride_sh + rows * stride_ss, scale, mask=rows < SEQ)
 
 
-def store_fp8(dst: torch.Tensor, dst_scale: torch.Tensor, x: torch.Tensor) -> None:
-    """dst, dst_scale = quantize_kv(x): x [B, S, H, D] (unit stride in D) into the fp8 view dst
-    [B, S, H, D] (any strides: e.g. a key-major V, longctx.fp8, written in tiles of tokens) and
-    its float32 scales dst_scale [B, S, H] (any strides), in one pass."""
+def store_fp8(dst: torch.Tensor, dst_scale: torch.Tensor, x: torch.Tensor,
+              mean: torch.Tensor | None = None) -> None:
+    """dst, dst_scale = quantize_kv(x, mean[:, None]): x [B, S, H, D] (unit stride in D) into
+    the fp8 view dst [B, S, H, D] (any strides: e.g. a key-major V, longctx.fp8, written in
+    tiles of tokens) and its float32 scales dst_scale [B, S, H] (any strides), in one pass;
+    mean: None or contiguous [B, H, D] float32 (longctx.fp8's smoothing)."""
     B, S, H, D = x.shape
     if B * S == 0:
         return
+    m = dict(HAS_MEAN=True) if mean is not None else {}
+    mean = dst_scale if mean is None else mean  # a dummy, never dereferenced
     if is_key_major(dst):
         block_s = 64
         _store_fp8_keys_kernel[(B * H, cdiv(S, block_s))](
-            x, dst, dst_scale, x.stride(0), x.stride(1), x.stride(2), dst.stride(0),
+            x, dst, dst_scale, mean, x.stride(0), x.stride(1), x.stride(2), dst.stride(0),
             dst.stride(2), dst.stride(3), dst_scale.stride(0), dst_scale.stride(1),
             dst_scale.stride(2), S, H, BLOCK_S=block_s, D=D, BLOCK_D=next_power_of_2(D),
-            num_warps=4, **pdl_launch(x.device))
+            num_warps=4, **m, **pdl_launch(x.device))
         return
     _store_fp8_kernel[(B * S,)](
-        x, dst, dst_scale, x.stride(0), x.stride(1), x.stride(2), dst.stride(0), dst.stride(1),
+        x, dst, dst_scale, mean, x.stride(0), x.stride(1), x.stride(2), dst.stride(0), dst.stride(1),
         dst.stride(2), dst.stride(3), *dst_scale.stride(), S, H,
         BLOCK_H=next_power_of_2(H), D=D, BLOCK_D=next_power_of_2(D),
-        num_warps=4 if H * D >= 2048 else 2, **pdl_launch(x.device))
+        num_warps=4 if H * D >= 2048 else 2, **m, **pdl_launch(x.device))
 
 
 @triton.jit
-def _dequantize_fp8_kernel(X, S, Y, stride_xb, stride_xs, stride_xh, stride_xd, stride_sb,
+def _dequantize_fp8_kernel(X, S, Y, MEAN, stride_xb, stride_xs, stride_xh, stride_xd, stride_sb,
                            stride_ss, stride_sh, SEQ, H, BLOCK_S: tl.constexpr, D: tl.constexpr,
-                           BLOCK_D: tl.constexpr):
+                           BLOCK_D: tl.constexpr, HAS_MEAN: tl.constexpr = False):
     # Program (j, b * H + h): tokens [j BLOCK_S, (j + 1) BLOCK_S) of head h, x * scale in float32
     # rounded to Y's dtype (longctx.fp8.dequantize_kv's rule, so bit for bit), into Y contiguous
     # [B, SEQ, H, D]. X takes any strides; a unit one (D's, or a key-major V's tokens) is
     # specialised, so the loads run along it and the tile is transposed on chip for the store.
+    # HAS_MEAN: x * scale + MEAN[b, h] ([B, H, D] float32, contiguous) in one fused multiply-add.
     b, h, rows, offs_d, mask = _head_tile(tl.program_id(1), tl.program_id(0), H, SEQ, BLOCK_S, D,
                                           BLOCK_D)
     x = tl.load(X + b * stride_xb + h * stride_xh + rows[:, None] * stride_xs
                 + offs_d[None, :].to(tl.int64) * stride_xd, mask=mask, other=0.0)
     scale = tl.load(S + b * stride_sb + h * stride_sh + rows * stride_ss, mask=rows < SEQ,
                     other=0.0)
-    y = x.to(tl.float32) * scale[:, None]
+    if HAS_MEAN:
+        mean = tl.load(MEAN + (b * H + h) * D + offs_d, mask=offs_d < D, other=0.0)
+        y = tl.fma(x.to(tl.float32), scale[:, None], mean[None, :])
+    else:
+        y = x.to(tl.float32) * scale[:, None]
     tl.store(Y + ((b * SEQ + rows[:, None]) * H + h) * D + offs_d[None, :],
              y.to(Y.dtype.element_ty), mask=mask)
 
 
-def dequantize_fp8(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """out = longctx.fp8.dequantize_kv(x, scale, out.dtype), bit for bit, in one pass with no
-    float32 temporaries: x [B, S, H, D] float8_e4m3fn (any strides: the model's head-major K or
-    key-major V), scale [B, S, H] float32 (any strides), out contiguous [B, S, H, D] (float16,
-    bfloat16 or float32). Returns out."""
+def dequantize_fp8(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor,
+                   mean: torch.Tensor | None = None) -> torch.Tensor:
+    """out = longctx.fp8.dequantize_kv(x, scale, out.dtype, mean[:, None]), bit for bit, in one
+    pass with no float32 temporaries: x [B, S, H, D] float8_e4m3fn (any strides: the model's
+    head-major K or key-major V), scale [B, S, H] float32 (any strides), mean None or
+    contiguous [B, H, D] float32 (smoothing), out contiguous [B, S, H, D] (float16, bfloat16 or
+    float32). Returns out."""
     B, S, H, D = x.shape
     if x.dtype != FP8:
         raise ValueError(f"x must be float8_e4m3fn (an fp8 cache), got {x.dtype}")
@@ -312,8 +329,9 @@ def dequantize_fp8(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> t
     # 16384 elements a program: 128 keys at D = 128, whole 128-byte lines of a key-major V
     block_s = max(32, 16384 // block_d)
     _dequantize_fp8_kernel[(cdiv(S, block_s), B * H)](
-        x, scale, out, *x.stride(), *scale.stride(), S, H, BLOCK_S=block_s, D=D,
-        BLOCK_D=block_d, num_warps=8)
+        x, scale, out, scale if mean is None else mean, *x.stride(), *scale.stride(), S, H,
+        BLOCK_S=block_s, D=D, BLOCK_D=block_d, num_warps=8,
+        **({} if mean is None else dict(HAS_MEAN=True)), **FP_FUSION)
     return out
 
 
@@ -354,19 +372,21 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 
 @triton.jit
-def _rope_store_kv_kernel(Q, K, V, COS, SIN, POS, KC, VC, SLOT, KS, VS, S_MAX,
+def _rope_store_kv_kernel(Q, K, V, COS, SIN, POS, KC, VC, SLOT, KS, VS, KM, VM, S_MAX,
                           stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
                           stride_p, stride_t, stride_kcb, stride_kcs, stride_kch, stride_kcd,
                           stride_vcb, stride_vcs, stride_vch, stride_vcd, stride_sb,
                           stride_ss, stride_sh, HQ, HKV,
                           HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-                          USE_PDL: tl.constexpr, FP8: tl.constexpr = False):
+                          USE_PDL: tl.constexpr, FP8: tl.constexpr = False,
+                          HAS_MEAN: tl.constexpr = False):
     # A decode step's RoPE and KV store, one token per sequence b = program_id(0): programs
     # j < cdiv(HQ, BLOCK_H) rotate a block of q heads in place (as _rope_kernel); the others
     # rotate a block of k heads in place too and write them and the same v heads at cache
     # position SLOT[b], skipping a slot out of range (as _store_kv_kernel). Each cache has its
     # own strides (b, s, h, d); a head_dim stride of 1 is a constant once specialised, anything
-    # else is a key-major V (longctx.fp8).
+    # else is a key-major V (longctx.fp8). HAS_MEAN: an fp8 cache smoothed by KM / VM
+    # [B, HKV, 2 HALF] float32 (contiguous), subtracted from the rotated k and from v.
     pdl_wait(USE_PDL)
     b = tl.program_id(0).to(tl.int64)
     cos, sin = _rope_angles(COS, SIN, POS + b * stride_p, stride_t, HALF, BLOCK_HALF)
@@ -399,10 +419,16 @@ def _rope_store_kv_kernel(Q, K, V, COS, SIN, POS, KC, VC, SLOT, KS, VS, S_MAX,
             dst_s = b * stride_sb + slot * stride_ss + offs_h.to(tl.int64) * stride_sh
             s_mask = tl.where((slot >= 0) & (slot < S_MAX), offs_h < HKV, False)
             k1, k2 = k1.to(tl.float32), k2.to(tl.float32)
-            k_scale, k_div = _fp8_scale(tl.maximum(tl.max(tl.abs(k1), axis=1),
-                                                   tl.max(tl.abs(k2), axis=1)))
             v1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
             v2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+            if HAS_MEAN:
+                m_off = (b * HKV + head) * (2 * HALF) + offs_d
+                k1 -= tl.load(KM + m_off, mask=mask, other=0.0)
+                k2 -= tl.load(KM + m_off + HALF, mask=mask, other=0.0)
+                v1 -= tl.load(VM + m_off, mask=mask, other=0.0)
+                v2 -= tl.load(VM + m_off + HALF, mask=mask, other=0.0)
+            k_scale, k_div = _fp8_scale(tl.maximum(tl.max(tl.abs(k1), axis=1),
+                                                   tl.max(tl.abs(k2), axis=1)))
             v_scale, v_div = _fp8_scale(tl.maximum(tl.max(tl.abs(v1), axis=1),
                                                    tl.max(tl.abs(v2), axis=1)))
             tl.store(KS + dst_s, k_scale, mask=s_mask)
@@ -423,22 +449,73 @@ def _rope_store_kv_kernel(Q, K, V, COS, SIN, POS, KC, VC, SLOT, KS, VS, S_MAX,
 def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                   sin: torch.Tensor, pos: torch.Tensor, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, slot: torch.Tensor, k_scale: torch.Tensor | None = None,
-                  v_scale: torch.Tensor | None = None) -> None:
+                  v_scale: torch.Tensor | None = None, k_mean: torch.Tensor | None = None,
+                  v_mean: torch.Tensor | None = None) -> None:
     """rope_ of q [B, Hq, D] and k [B, Hkv, D] in place at positions pos [B] (any stride), then
     store_kv of k and v [B, Hkv, D] at slot [B] int64: one launch. q/k/v unit stride in D;
     caches [B, S_max, Hkv, D] of any strides (e.g. an fp8 V stored key-major, longctx.fp8);
     cos/sin the [max_seq_len, D] float32 tables. An fp8 cache (float8_e4m3fn) stores
     quantize_kv of k and v, their scales to k_scale / v_scale [B, S_max, Hkv] float32 (both of
-    the same strides, any: e.g. longctx.fp8.head_major, the model's)."""
+    the same strides, any: e.g. longctx.fp8.head_major, the model's), smoothed by k_mean /
+    v_mean [B, Hkv, D] float32 (contiguous) if given: quantize_kv(k, k_mean) of the rotated k."""
     B, HQ, D = q.shape
     HKV = k.shape[1]
     BLOCK_H = min(next_power_of_2(HQ), 16)
     fp8 = k_scale is not None
     ks, vs = (k_scale, v_scale) if fp8 else (slot, slot)  # dummies, never dereferenced
+    km, vm = (k_mean, v_mean) if k_mean is not None else (ks, vs)
     _rope_store_kv_kernel[(B, cdiv(HQ, BLOCK_H) + cdiv(HKV, BLOCK_H))](
-        q, k, v, cos, sin, pos, k_cache, v_cache, slot, ks, vs, k_cache.shape[1], q.stride(0),
+        q, k, v, cos, sin, pos, k_cache, v_cache, slot, ks, vs, km, vm, k_cache.shape[1],
+        q.stride(0),
         q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), pos.stride(0),
         cos.stride(0), *k_cache.stride(), *v_cache.stride(),
         *(ks.stride() if fp8 else (0, 0, 0)), HQ, HKV,
         HALF=D // 2, BLOCK_HALF=next_power_of_2(D // 2), BLOCK_H=BLOCK_H, FP8=fp8, num_warps=2,
-        **pdl_launch(q.device))
+        **({} if k_mean is None else dict(HAS_MEAN=True)), **pdl_launch(q.device))
+
+
+@triton.jit
+def _add_kv_means_kernel(O, LSE, Q, KM, VM, sm_scale, T, SEQ,
+                         stride_ob, stride_os, stride_oh, stride_lb, stride_ls, stride_lh,
+                         stride_qb, stride_qs, stride_qh, HKV, GROUP: tl.constexpr,
+                         D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    # Program (j, h): tokens t = b * SEQ + s in [j BLOCK_T, (j + 1) BLOCK_T) of query head h.
+    # longctx.fp8.add_kv_means in one pass: o += v_mean where lse > -inf, lse += sm_scale q.k_mean
+    # (KV head h // GROUP of each token's sequence; the means contiguous [B, HKV, D] float32).
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    h = tl.program_id(1)
+    b = (t // SEQ).to(tl.int64)
+    s = (t % SEQ).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    t_ok = t < T
+    mask = _cols_mask(t_ok[:, None], D, BLOCK_D)
+    cols = offs_d[None, :]
+    means = ((b * HKV + h // GROUP) * D)[:, None] + cols
+    q = tl.load(Q + (b * stride_qb + s * stride_qs + h * stride_qh)[:, None] + cols, mask=mask,
+                other=0.0).to(tl.float32)
+    q_km = tl.sum(q * tl.load(KM + means, mask=mask, other=0.0), axis=1)
+    lse_ptrs = LSE + b * stride_lb + s * stride_ls + h * stride_lh
+    lse = tl.load(lse_ptrs, mask=t_ok, other=0.0)
+    o_ptrs = O + (b * stride_ob + s * stride_os + h * stride_oh)[:, None] + cols
+    o = tl.load(o_ptrs, mask=mask, other=0.0).to(tl.float32)
+    o = tl.where((lse != float("-inf"))[:, None], o + tl.load(VM + means, mask=mask, other=0.0), o)
+    tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=mask)
+    tl.store(lse_ptrs, lse + q_km * sm_scale, mask=t_ok)
+
+
+def add_kv_means(o: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k_mean: torch.Tensor,
+                 v_mean: torch.Tensor, softmax_scale: float) -> None:
+    """longctx.fp8.add_kv_means (o [B, S, Hq, D] unit stride in D, lse [B, S, Hq] float32, q
+    [B, S, Hq, D] unit stride in D, any other strides; k_mean, v_mean contiguous [B, Hkv, D]
+    float32), in place, in one pass over o and q: the output to its dtype once, as the rule
+    rounds it; the LSE's dot product summed in another order (a float32 rounding or two)."""
+    B, S, Hq, D = o.shape
+    hkv = k_mean.shape[1]
+    if B * S * Hq == 0:
+        return
+    block_t = 32
+    _add_kv_means_kernel[(cdiv(B * S, block_t), Hq)](
+        o, lse, q, k_mean, v_mean, float(softmax_scale), B * S, S, o.stride(0), o.stride(1),
+        o.stride(2), *lse.stride(), q.stride(0), q.stride(1), q.stride(2), hkv,
+        GROUP=Hq // hkv, D=D, BLOCK_T=block_t, BLOCK_D=next_power_of_2(D), num_warps=4,
+        **FP_FUSION)

@@ -214,6 +214,7 @@ def run(cfg: DictConfig, device: torch.device, rank: int, world: int, run_dir: P
     cuda_graphs = bool(cfg.cuda_graphs) and device.type == "cuda"
     info = {"model": args.name, "params": args.num_params(), "dtype": str(dtype).removeprefix("torch."),
             "kv_cache_dtype": str(kv_dtype).removeprefix("torch."),
+            "kv_cache_smoothing": bool(cfg.get("kv_cache_smoothing", True)) and kv_dtype != dtype,
             "device": device_name(device), "world_size": world, "tp": dims.tp, "sp": dims.sp,
             "batch": B, "prompt_len": P, "gen_len": cfg.gen_len, "prefill_chunk": chunk,
             "cuda_graphs": cuda_graphs, "rope_scaling": describe_rope(args.rope_scaling),
@@ -223,7 +224,8 @@ def run(cfg: DictConfig, device: torch.device, rank: int, world: int, run_dir: P
     n = info["params"]
     size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
     log.info(f"{args.name}: {size} parameters, {info['dtype']} (KV cache "
-             f"{info['kv_cache_dtype']}), {world} x "
+             f"{info['kv_cache_dtype']}{', smoothed' if info['kv_cache_smoothing'] else ''}), "
+             f"{world} x "
              f"{info['device']}, tp={dims.tp} sp={dims.sp}, batch {B}, "
              f"{'synthetic KV cache of' if synthetic else 'prompt'} {P} tokens, "
              f"{cfg.gen_len} generated; rope scaling {info['rope_scaling']}"
@@ -252,7 +254,8 @@ def run(cfg: DictConfig, device: torch.device, rank: int, world: int, run_dir: P
     t0 = time.perf_counter()
     model = build_model(args, weights=ckpt or RandomWeights(cfg.seed), device=device, dtype=dtype,
                         batch=B, max_seq_len=max_seq_len, mesh=dims.build_mesh(device.type),
-                        all_reduce=cfg.parallel.all_reduce, kv_cache_dtype=kv_dtype)
+                        all_reduce=cfg.parallel.all_reduce, kv_cache_dtype=kv_dtype,
+                        kv_smoothing=bool(cfg.get("kv_cache_smoothing", True)))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)

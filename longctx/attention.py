@@ -9,7 +9,9 @@ from longctx.checks import (
     check_accumulator, check_attention_inputs, check_flag, check_not_fp8, check_offset,
     check_optional_int, check_tensor,
 )
+from longctx.fp8 import FP8, check_kv_means
 from longctx.merge import check_lse, merge_into
+from longctx.ops import add_kv_means
 from longctx.reference import reference_attention
 
 
@@ -70,6 +72,8 @@ def attention(
     return_lse: bool = False,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    k_mean: torch.Tensor | None = None,
+    v_mean: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of q over k/v, optionally returning the state's log-sum-exp.
 
@@ -97,6 +101,11 @@ def attention(
             measured size, k / v are dequantized to q's dtype a block of keys at a time (their
             values rounded to q's dtype, as a plain computation in that dtype rounds them;
             longctx.kernels.prefill `fp8_blocks_apply`).
+        k_mean, v_mean: with k_scale / v_scale, a smoothed fp8 cache's means (both or neither):
+            float32 [B, Hkv, D], contiguous; key j of KV head h of sequence b is then
+            k[b, j, h] * k_scale[b, j, h] + k_mean[b, h], value likewise (longctx.fp8). On CUDA
+            the kernel attends the stored values and the means are added to its state after
+            (`longctx.ops.add_kv_means`: one pass over o and q).
 
     Returns:
         o shaped like q, in q's dtype; with return_lse also the LSE, float32 natural log (float64
@@ -128,30 +137,35 @@ def attention(
                    k.get_device(), k.dtype, k.shape, k.stride(),
                    v.get_device(), v.dtype, v.shape, v.stride(), causal, softmax_scale,
                    sig(q_start), sig(k_start), varlen and (sig(cu_seqlens_q), sig(cu_seqlens_k)),
-                   max_seqlen_q, max_seqlen_k, return_lse, sig(k_scale), sig(v_scale))
+                   max_seqlen_q, max_seqlen_k, return_lse, sig(k_scale), sig(v_scale),
+                   sig(k_mean), sig(v_mean))
             plan = _PLANS.get(key)
         except (AttributeError, TypeError):  # not tensors / unhashable: validation says what
             key = plan = None
         if plan is None:
             scale = _check_attention(q, k, v, causal, softmax_scale, q_start, k_start,
                                      cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                     return_lse, varlen, k_scale, v_scale)
+                                     return_lse, varlen, k_scale, v_scale, k_mean, v_mean)
             _kp.check_prefill_args(q, k, v, q_start, k_start, cu_seqlens_q, max_seqlen_q,
                                    max_seqlen_k, None, k_scale)
             plan = _kp.PrefillPlan(q, k, v, softmax_scale=scale, causal=causal, q_start=q_start,
                                    k_start=k_start, cu_seqlens_q=cu_seqlens_q,
                                    cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                                    max_seqlen_k=max_seqlen_k, accumulate=None, config=None,
-                                   return_lse=return_lse, k_scale=k_scale, v_scale=v_scale)
+                                   return_lse=return_lse or k_mean is not None,
+                                   k_scale=k_scale, v_scale=v_scale)
             if key is not None:
                 kl.remember(_PLANS, key, plan)
         o, lse = plan(q, k, v, q_start, k_start, cu_seqlens_q, cu_seqlens_k, None, dev,
                       k_scale, v_scale)
+        if k_mean is not None:
+            add_kv_means(o, lse, q, k_mean, v_mean,
+                         softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5)
         return (o, lse) if return_lse else o
 
     scale = _check_attention(q, k, v, causal, softmax_scale, q_start, k_start, cu_seqlens_q,
                              cu_seqlens_k, max_seqlen_q, max_seqlen_k, return_lse, varlen,
-                             k_scale, v_scale)
+                             k_scale, v_scale, k_mean, v_mean)
     if use_triton_for(q):
         _kernels()
         if varlen and max_seqlen_q is None:
@@ -163,19 +177,21 @@ def attention(
             cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
             max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, k_scale=k_scale, v_scale=v_scale,
         )
+        if k_mean is not None:
+            add_kv_means(o, lse, q, k_mean, v_mean, scale)
     elif varlen:
         o, lse = _reference_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, scale,
                                    q_start, k_start)
     else:
         o, lse = reference_attention(q, k, v, causal=causal, softmax_scale=scale,
                                      q_start=q_start, k_start=k_start, k_scale=k_scale,
-                                     v_scale=v_scale)
+                                     v_scale=v_scale, k_mean=k_mean, v_mean=v_mean)
     return (o, lse) if return_lse else o
 
 
 def _check_attention(q, k, v, causal, softmax_scale, q_start, k_start, cu_seqlens_q, cu_seqlens_k,
                      max_seqlen_q, max_seqlen_k, return_lse, varlen, k_scale=None,
-                     v_scale=None) -> float:
+                     v_scale=None, k_mean=None, v_mean=None) -> float:
     """`attention`'s input checks; returns the softmax scale."""
     if varlen and (cu_seqlens_q is None or cu_seqlens_k is None):
         raise ValueError("cu_seqlens_q and cu_seqlens_k must be given together (varlen mode)")
@@ -185,6 +201,10 @@ def _check_attention(q, k, v, causal, softmax_scale, q_start, k_start, cu_seqlen
     if varlen and (k_scale is not None or v_scale is not None):
         raise ValueError("k_scale / v_scale (an fp8 k/v) are for dense inputs, not varlen")
     check_attention_inputs(q, k, v, softmax_scale, varlen, k_scale, v_scale)
+    if not varlen:
+        check_kv_means(k_mean, v_mean, k.dtype == FP8, q.shape[0], k, q.device, "k")
+    elif k_mean is not None or v_mean is not None:
+        raise ValueError("k_mean / v_mean (a smoothed fp8 k/v) are for dense inputs, not varlen")
     check_flag("causal", causal)
     check_flag("return_lse", return_lse)
     check_optional_int("max_seqlen_q", max_seqlen_q, 0)

@@ -273,6 +273,9 @@ def check_decode_config(cfg: Mapping[str, Any]) -> None:
     positive_int("batch", cfg["batch"])
     resolve_dtype(cfg["dtype"], torch.device("cpu"))  # raises for an unknown name
     resolve_kv_cache_dtype(cfg.get("kv_cache_dtype", "auto"), torch.float32)  # likewise
+    if not isinstance(cfg.get("kv_cache_smoothing", True), bool):
+        raise ValueError(f"kv_cache_smoothing must be true or false, got "
+                         f"{cfg['kv_cache_smoothing']!r}")
     s = cfg["sampling"]
     if not isinstance(s["temperature"], (int, float)) or s["temperature"] < 0:
         raise ValueError(f"sampling.temperature must be >= 0 (0 = greedy), got {s['temperature']!r}")

@@ -9,12 +9,13 @@ from longctx.checks import (
     check_dtype, check_flag, check_gqa, check_head_dim, check_optional_int, check_same,
     check_softmax_scale, check_tensor,
 )
-from longctx.fp8 import FP8, check_key_major, check_kv_scales, is_key_major
+from longctx.fp8 import FP8, check_key_major, check_kv_means, check_kv_scales, is_key_major
 from longctx.reference import reference_attention
 
 
 def _check_decode_args(q, k_cache, v_cache, cache_seqlens, block_table, num_splits, return_lse,
-                       k_scale=None, v_scale=None):
+                       k_scale=None, v_scale=None, k_mean=None, v_mean=None) -> bool:
+    """`decode`'s input checks; returns whether smoothing means are given."""
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache),
                     ("cache_seqlens", cache_seqlens), ("block_table", block_table)):
         if t is not None or name in ("q", "k_cache", "v_cache"):
@@ -72,7 +73,8 @@ def _check_decode_args(q, k_cache, v_cache, cache_seqlens, block_table, num_spli
             )
         if cache_seqlens.device != q.device:
             raise ValueError(f"cache_seqlens is on {cache_seqlens.device} but q is on {q.device}")
-    check_kv_scales(k_cache, v_cache, k_scale, v_scale, q.device)
+    fp8 = check_kv_scales(k_cache, v_cache, k_scale, v_scale, q.device)
+    return check_kv_means(k_mean, v_mean, fp8, B, k_cache, q.device)
 
 
 def _check_decode_values(q, k_cache, cache_seqlens, block_table, capacity):
@@ -147,6 +149,8 @@ def decode(
     return_lse: bool = False,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    k_mean: torch.Tensor | None = None,
+    v_mean: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Decode attention (Flash-Decoding): each sequence's one query token over its KV cache.
 
@@ -173,6 +177,11 @@ def decode(
             per token and KV head). Required with an fp8 cache, refused
             without one. The kernel widens the fp8 tiles to float16 (float32 for a float32 q)
             and applies the scales per key in registers.
+        k_mean, v_mean: a smoothed fp8 cache's means (both or neither): float32 [B, Hkv, D],
+            contiguous, on q's device; key j of KV head h of sequence b is then
+            k_cache[.., j, h, :] * k_scale[.., j, h] + k_mean[b, h], value likewise
+            (longctx.fp8: the model's fp8 cache holds K and V less their first prefill chunk's
+            means). The kernel adds them to each split's state (LSE and output), not per key.
 
     Returns:
         o with q's shape and dtype; with return_lse also lse float32 (float64 for a float64 q),
@@ -197,24 +206,26 @@ def decode(
                    v_cache.get_device(), v_cache.dtype, v_cache.shape, v_cache.stride(),
                    kl.signature(cache_seqlens), kl.signature(block_table), softmax_scale,
                    num_splits, return_lse, kl.pdl_allowed(), kl.signature(k_scale),
-                   kl.signature(v_scale))
+                   kl.signature(v_scale), kl.signature(k_mean), kl.signature(v_mean))
             plan = _PLANS.get(key)
         except (AttributeError, TypeError):  # not tensors / unhashable: validation says what
             key = plan = None
         if plan is None:
-            _check_decode_args(q, k_cache, v_cache, cache_seqlens, block_table, num_splits,
-                               return_lse, k_scale, v_scale)
+            means = _check_decode_args(q, k_cache, v_cache, cache_seqlens, block_table,
+                                       num_splits, return_lse, k_scale, v_scale, k_mean, v_mean)
             check_softmax_scale(softmax_scale)
             scale = softmax_scale if softmax_scale is not None else q.shape[-1]**-0.5
             plan = _kd.DecodePlan(q, k_cache, v_cache, cache_seqlens, block_table, scale,
-                                 num_splits, return_lse, k_scale=k_scale, v_scale=v_scale)
+                                 num_splits, return_lse, k_scale=k_scale, v_scale=v_scale,
+                                 means=means)
             if key is not None:
                 kl.remember(_PLANS, key, plan)
-        o, lse = plan(q, k_cache, v_cache, cache_seqlens, block_table, dev, k_scale, v_scale)
+        o, lse = plan(q, k_cache, v_cache, cache_seqlens, block_table, dev, k_scale, v_scale,
+                      k_mean, v_mean)
         return (o, lse) if return_lse else o
 
-    _check_decode_args(q, k_cache, v_cache, cache_seqlens, block_table, num_splits, return_lse,
-                       k_scale, v_scale)
+    means = _check_decode_args(q, k_cache, v_cache, cache_seqlens, block_table, num_splits,
+                               return_lse, k_scale, v_scale, k_mean, v_mean)
     check_softmax_scale(softmax_scale)
     q3 = q.reshape(q.shape[0], q.shape[-2], q.shape[-1]) if q.dim() == 4 else q
     B, _, D = q3.shape
@@ -227,8 +238,9 @@ def decode(
         # Triton's launch path (the interpreter on CPU; on CUDA with fast launches off).
         _kernels()
         o, lse = _kd.DecodePlan(q, k_cache, v_cache, cache_seqlens, block_table, scale, num_splits,
-                                return_lse, k_scale=k_scale, v_scale=v_scale)(
-            q, k_cache, v_cache, cache_seqlens, block_table, None, k_scale, v_scale)
+                                return_lse, k_scale=k_scale, v_scale=v_scale, means=means)(
+            q, k_cache, v_cache, cache_seqlens, block_table, None, k_scale, v_scale, k_mean,
+            v_mean)
         return (o, lse) if return_lse else o
     k = gather_pages(k_cache, block_table) if paged else k_cache
     v = gather_pages(v_cache, block_table) if paged else v_cache
@@ -236,7 +248,7 @@ def decode(
         k_scale = gather_pages(k_scale, block_table) if paged else k_scale
         v_scale = gather_pages(v_scale, block_table) if paged else v_scale
     o, lse = reference_attention(q3[:, None], k, v, softmax_scale=scale, seqlens_k=cache_seqlens,
-                                 k_scale=k_scale, v_scale=v_scale)
+                                 k_scale=k_scale, v_scale=v_scale, k_mean=k_mean, v_mean=v_mean)
     # reference_attention's [B, 1, Hq(, D)] is a 4-D q's own shape; a 3-D q drops the 1
     if q.dim() == 3:
         o, lse = o[:, 0], lse[:, 0]

@@ -7,6 +7,16 @@ without head_dim: [B, S_max, Hkv] (any strides), paged [num_pages, page_size, Hk
 head_dim bytes (3% at head_dim 128). bench/fp8_kv_error.py measures this granularity against one
 scale per tensor and one per KV head. An all-zero row gets scale 0 and zeros, never NaN.
 
+Smoothing (optional; the model's fp8 cache uses it): K and V may be stored less a mean per
+(sequence, KV head, channel), k_mean / v_mean [B, Hkv, D] float32, so that x ~ x_fp8 * scale +
+mean. Channels whose values sit far from zero (K's outlier channels) then stop setting every
+row's scale; the model takes the means over the first prefill chunk's keys and values
+(`kv_means`) and keeps them for the sequence (measured in BENCHMARKS.md, fp8 section). The
+attention does not dequantize the means: over keys k + m_k every score gains the same q.m_k, so
+softmax weights are unchanged and only the LSE moves by softmax_scale q.m_k, and the weights
+sum to 1, so the output gains m_v (`add_kv_means`; the decode kernel does it in its epilogue).
+Each partial state is exact on its own, so merges across splits and ranks need nothing more.
+
 The kernels that write the cache quantize (kernels/fused.py); the attention kernels read fp8
 and apply the scales per key in registers (kernels/decode.py, kernels/prefill.py). The torch
 code here is the rule they follow bit for bit and the CPU backend.
@@ -33,20 +43,89 @@ def quantize_fp8(x: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, tor
     return x_fp8, scale
 
 
-def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_kv(x: torch.Tensor,
+                mean: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., D] -> (x_fp8 [..., D] float8_e4m3fn, scale [...] float32): one scale per row
-    (per token and KV head for K or V [B, S, Hkv, D]), as the cache-writing kernels compute it."""
-    x_fp8, scale = quantize_fp8(x, x.float().abs().amax(dim=-1, keepdim=True))
+    (per token and KV head for K or V [B, S, Hkv, D]), as the cache-writing kernels compute it.
+    mean: float32 broadcastable to x (smoothing, above): x - mean (in float32) is quantized."""
+    xf = x.float() if mean is None else x.float() - mean
+    x_fp8, scale = quantize_fp8(xf, xf.abs().amax(dim=-1, keepdim=True))
     return x_fp8, scale.squeeze(-1)
 
 
-def dequantize_kv(x_fp8: torch.Tensor, scale: torch.Tensor,
-                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_kv(x_fp8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32,
+                  mean: torch.Tensor | None = None) -> torch.Tensor:
     """x_fp8 [..., D] float8_e4m3fn, scale [...] float32 -> x_fp8 * scale [..., D] in `dtype`
     (the product in float32, exact in float64 for dtype float64, then rounded to dtype),
-    contiguous whatever x_fp8's layout (a key-major V's strides would otherwise carry over)."""
+    contiguous whatever x_fp8's layout (a key-major V's strides would otherwise carry over).
+    mean: float32 broadcastable to x_fp8 (smoothing): x_fp8 * scale + mean, rounded once to
+    float32 as a fused multiply-add rounds it (exact in float64 first), then to dtype."""
     wide = torch.float64 if dtype == torch.float64 else torch.float32
+    if mean is not None:
+        x = x_fp8.double() * scale[..., None].double() + mean.double()
+        return x.to(wide).to(dtype).contiguous()
     return (x_fp8.to(wide) * scale[..., None].to(wide)).to(dtype).contiguous()
+
+
+def kv_means(x: torch.Tensor, sums: torch.Tensor | None = None, count: int | None = None
+             ) -> torch.Tensor:
+    """The smoothing means of a chunk x [B, S, Hkv, D] (rotated K, or V): its mean over the
+    chunk's S positions, [B, Hkv, D] float32 (zeros for an empty chunk). Summed in float64, so
+    the order of the sum leaves no trace once rounded to float32: a chunk sharded over ranks
+    passes the all-reduced `sums` (float64 [B, Hkv, D]) and the whole chunk's `count`, and gets
+    one process's means."""
+    if sums is None:
+        sums, count = x.double().sum(dim=1), x.shape[1]
+    return (sums / max(count, 1)).float()
+
+
+def add_kv_means(o: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k_mean: torch.Tensor,
+                 v_mean: torch.Tensor, softmax_scale: float, rows: int = 1024) -> None:
+    """In place: the attention state (o [B, Sq, Hq, D], lse [B, Sq, Hq] float32) over keys k
+    and values v becomes the state over k + k_mean and v + v_mean (k_mean, v_mean [B, Hkv, D]
+    float32, KV head h // (Hq / Hkv) for query head h; q [B, Sq, Hq, D] the queries): lse +=
+    softmax_scale q.k_mean and o += v_mean, in float32 (float64 for a float64 o), for rows that
+    see a key (lse > -inf; empty rows stay o = 0, lse = -inf). `rows` query positions at a time
+    bound the float32 temporaries."""
+    B, S, Hq, D = o.shape
+    hkv = k_mean.shape[1]
+    wide = torch.float64 if o.dtype == torch.float64 else torch.float32
+    km, vm = (m[:, None, :, None].to(wide) for m in (k_mean, v_mean))  # [B, 1, Hkv, 1, D]
+    for s0 in range(0, S, rows):
+        sl = slice(s0, min(S, s0 + rows))
+        lse_s, o_s = lse[:, sl], o[:, sl]
+        seen = (lse_s != float("-inf")).view(B, -1, hkv, Hq // hkv, 1)
+        o_new = o_s.to(wide).view(B, -1, hkv, Hq // hkv, D) + vm
+        o_s.copy_(torch.where(seen, o_new, 0.0).view(o_s.shape))
+        q_km = (q[:, sl].to(wide).view(B, -1, hkv, Hq // hkv, D) * km).sum(-1)
+        lse_s.add_((q_km * softmax_scale).view(lse_s.shape))
+
+
+def check_kv_means(k_mean: object, v_mean: object, fp8: bool, batch: int, k_cache: torch.Tensor,
+                   device: torch.device, k_name: str = "k_cache") -> bool:
+    """Smoothing means (above), both or neither, for an fp8 cache only: float32 [batch, Hkv, D]
+    (k_cache's heads and head_dim), contiguous, on `device`. Returns whether they are given;
+    ValueError naming the argument otherwise."""
+    if k_mean is None and v_mean is None:
+        return False
+    if not fp8:
+        raise ValueError(f"k_mean / v_mean are for an fp8 ({FP8}) {k_name}; {k_name} is "
+                         f"{k_cache.dtype}")
+    want = (batch, k_cache.shape[2], k_cache.shape[3])
+    for name, m in (("k_mean", k_mean), ("v_mean", v_mean)):
+        if m is None:
+            raise ValueError(f"k_mean and v_mean come together; {name} is None")
+        if not isinstance(m, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(m).__name__}")
+        if m.dtype != torch.float32:
+            raise ValueError(f"{name} must be float32, got {m.dtype}")
+        if tuple(m.shape) != want:
+            raise ValueError(f"{name} must be [B, Hkv, D] = {list(want)}, got {list(m.shape)}")
+        if not m.is_contiguous():
+            raise ValueError(f"{name} must be contiguous, got strides {m.stride()}")
+        if m.device != device:
+            raise ValueError(f"{name} is on {m.device} but q is on {device}")
+    return True
 
 
 # Triton compiles float8_e4m3fn for sm_89 (Ada) and later only (so does the decode kernel's

@@ -27,7 +27,7 @@ from torch import nn
 from longctx.attention import attention
 from longctx.config import ModelArgs, check_chunk
 from longctx.decode import decode
-from longctx.fp8 import FP8, check_fp8_device, head_major, key_major_v
+from longctx.fp8 import FP8, check_fp8_device, head_major, key_major_v, kv_means
 from longctx.ops import (linear, linear_silu_mul, rms_norm, rope_, rope_store_kv, rope_tables,
                          store_fp8)
 from longctx.rope import attention_factor
@@ -52,12 +52,15 @@ class KVCache(nn.Module):
     dtype float8_e4m3fn: an fp8 cache, with k_scale, v_scale [B, S_max, Hkv] float32 (longctx.fp8:
     one scale per token and KV head, written by the kernels that store K/V); k_cache and the
     scales stored head-major, v_cache key-major (strided views: longctx.fp8.head_major,
-    key_major_v); else both None.
+    key_major_v); else both None. smooth (fp8 only): K and V are stored less their means over the
+    first prefill chunk of each sequence, k_mean, v_mean [B, Hkv, D] float32 (longctx.fp8's
+    smoothing; zeros until a prefill from position 0, so a cache filled otherwise is plain);
+    else both None.
     longctx.parallel replaces this class to shard the cache by position.
     """
 
     def __init__(self, batch: int, max_seq_len: int, n_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, smooth: bool = True) -> None:
         super().__init__()
         shape = (batch, max_seq_len, n_kv_heads, head_dim)
         fp8 = dtype == FP8
@@ -72,24 +75,40 @@ class KVCache(nn.Module):
         for name in ("k_scale", "v_scale"):
             self.register_buffer(name, head_major(shape[:3], torch.float32, device) if fp8
                                  else None, persistent=False)
+        for name in ("k_mean", "v_mean"):
+            self.register_buffer(name, torch.zeros((batch, n_kv_heads, head_dim), device=device)
+                                 if fp8 and smooth else None, persistent=False)
+
+    def means(self) -> dict:
+        """The smoothing means as keyword arguments (k_mean, v_mean), or none."""
+        return {} if self.k_mean is None else dict(k_mean=self.k_mean, v_mean=self.v_mean)
 
     def store(self, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write k/v [B, L, Hkv, D] at slots [start, start + L) (quantized for an fp8 cache)."""
+        """Write k/v [B, L, Hkv, D] at slots [start, start + L) (quantized for an fp8 cache; a
+        smoothed one takes its means from the chunk at slot 0, a new sequence's first)."""
         end = start + k.shape[1]
         if self.k_scale is None:
             self.k_cache[:, start:end] = k
             self.v_cache[:, start:end] = v
-        else:
-            store_fp8(self.k_cache[:, start:end], self.k_scale[:, start:end], k)
-            store_fp8(self.v_cache[:, start:end], self.v_scale[:, start:end], v)
+            return
+        if start == 0 and self.k_mean is not None:
+            self.take_means(k, v)
+        store_fp8(self.k_cache[:, start:end], self.k_scale[:, start:end], k, self.k_mean)
+        store_fp8(self.v_cache[:, start:end], self.v_scale[:, start:end], v, self.v_mean)
+
+    def take_means(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Set the smoothing means from a new sequence's first chunk k/v [B, L, Hkv, D]."""
+        self.k_mean.copy_(kv_means(k))
+        self.v_mean.copy_(kv_means(v))
 
     def attend(self, q: torch.Tensor, end: int,
                **kw) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """`attention(q, k, v, **kw)` over slots [0, end) of this cache (with an fp8 cache's
-        scales)."""
+        scales and means)."""
         scales = {} if self.k_scale is None else dict(k_scale=self.k_scale[:, :end],
                                                       v_scale=self.v_scale[:, :end])
-        return attention(q, self.k_cache[:, :end], self.v_cache[:, :end], **kw, **scales)
+        return attention(q, self.k_cache[:, :end], self.v_cache[:, :end], **kw, **scales,
+                         **self.means())
 
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 input_pos: torch.Tensor) -> torch.Tensor:
@@ -121,11 +140,15 @@ class KVCache(nn.Module):
         """Fill the slots of positions [0, context_len) (`prefix_slots`) with N(0, std^2) values,
         std per KV head (k_std, v_std [Hkv] float32), drawn from `generator` on the cache's
         device in its dtype: a KV cache as if a prompt of context_len positions had run. An fp8
-        cache is filled through the same draw in float32, quantized (longctx.fp8.quantize_kv)."""
+        cache is filled through the same draw in float32, quantized (longctx.fp8.quantize_kv),
+        its smoothing means zero (the draw's own mean)."""
         n = self.prefix_slots(context_len)
         if n > self.k_cache.shape[1]:
             raise ValueError(f"context_len {context_len} needs {n} cache slots, but the cache "
                              f"holds {self.k_cache.shape[1]}")
+        if self.k_mean is not None:
+            self.k_mean.zero_()
+            self.v_mean.zero_()
         for cache, scale, std in ((self.k_cache, self.k_scale, k_std),
                                   (self.v_cache, self.v_scale, v_std)):
             for b in range(cache.shape[0]):  # [n, Hkv, D]: contiguous, so one fast fill each
@@ -151,6 +174,7 @@ class KVCache(nn.Module):
         -> o [B, Hq, D] (and lse [B, Hq] with return_lse)."""
         slot, cache_seqlens = step
         scales = {} if self.k_scale is None else dict(k_scale=self.k_scale, v_scale=self.v_scale)
+        scales.update(self.means())
         rope_store_kv(q, k, v, *rope, self.k_cache, self.v_cache, slot, **scales)
         return decode(q, self.k_cache, self.v_cache, cache_seqlens=cache_seqlens,
                       return_lse=return_lse, **scales)
@@ -269,7 +293,8 @@ class Block(nn.Module):
         return x, self.mlp(h)
 
 
-CacheFactory = Callable[[int, int, int, int, torch.dtype, torch.device], KVCache]
+# (batch, max_seq_len, n_kv_heads, head_dim, dtype, device, smooth=...) -> a layer's cache.
+CacheFactory = Callable[..., KVCache]
 
 
 def chunk_spans(length: int, chunk: int | None) -> list[tuple[int, int]]:
@@ -299,10 +324,11 @@ class Transformer(nn.Module):
         self.rope_prompt_len = 0  # the prompt length the RoPE tables were made for (dynamic NTK)
 
     def setup_caches(self, batch: int, max_seq_len: int,
-                     kv_cache_dtype: torch.dtype | None = None) -> None:
+                     kv_cache_dtype: torch.dtype | None = None, kv_smoothing: bool = True) -> None:
         """Allocate every layer's KV cache and the RoPE tables on the weights' device and dtype;
         the KV cache in kv_cache_dtype if given (torch.float8_e4m3fn: an fp8 cache with scales,
-        longctx.fp8)."""
+        longctx.fp8, smoothed by each sequence's first prefill chunk's means unless
+        kv_smoothing is False)."""
         w = self.lm_head.weight
         hd = self.args.head_dim
         if kv_cache_dtype == FP8:
@@ -310,7 +336,8 @@ class Transformer(nn.Module):
         for layer in self.layers:
             attn = layer.self_attn
             attn.kv_cache = self.make_cache(batch, max_seq_len, attn.n_kv_heads, hd,
-                                            kv_cache_dtype or w.dtype, w.device)
+                                            kv_cache_dtype or w.dtype, w.device,
+                                            smooth=kv_smoothing)
         cos, sin = rope_tables(max_seq_len, hd, self.args.rope_theta, w.device,
                                self.args.rope_scaling)
         self.register_buffer("rope_cos", cos, persistent=False)  # [max_seq_len, D] float32

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from longctx.backend import use_triton_for
+from longctx.fp8 import add_kv_means as fp8_add_kv_means
 from longctx.fp8 import dequantize_kv as fp8_dequantize_kv
 from longctx.fp8 import is_key_major, quantize_kv
 from longctx.rope import RopeScaling, attention_factor, inv_freq
@@ -145,7 +146,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot: torch.Tensor, k_scale: torch.Tensor | None = None,
-             v_scale: torch.Tensor | None = None) -> None:
+             v_scale: torch.Tensor | None = None, k_mean: torch.Tensor | None = None,
+             v_mean: torch.Tensor | None = None) -> None:
     """k_cache[b, slot[b]] = k[b] and v_cache[b, slot[b]] = v[b] for every sequence b.
 
     k_cache/v_cache [B, S_max, Hkv, D] (contiguous for the kernel; any strides otherwise);
@@ -155,7 +157,8 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     decode that follows writes NaN for it. An fp8 cache (float8_e4m3fn, with k_scale / v_scale
     [B, S_max, Hkv] float32; its V may be key-major, longctx.fp8) stores
     longctx.fp8.quantize_kv of k and v and their scales (torch code: the model's decode step
-    writes fp8 through rope_store_kv's kernel).
+    writes fp8 through rope_store_kv's kernel), less k_mean / v_mean [B, Hkv, D] float32 if
+    given (longctx.fp8's smoothing).
     """
     if k_scale is None and use_triton_for(k) and k.stride(-1) == 1 and v.stride(-1) == 1 \
             and k_cache.is_contiguous() and v_cache.is_contiguous():
@@ -165,7 +168,8 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
         return
     b = torch.arange(k.shape[0], device=k.device)
     if k_scale is not None:
-        (k, k_scale[b, slot]), (v, v_scale[b, slot]) = quantize_kv(k), quantize_kv(v)
+        (k, k_scale[b, slot]), (v, v_scale[b, slot]) = (quantize_kv(k, k_mean),
+                                                        quantize_kv(v, v_mean))
         # As bytes: index_put is not implemented for float8 on every device. (A dtype view of
         # the same element size keeps the strides: a key-major V is written in place.)
         k_cache, v_cache, k, v = (t.view(torch.uint8) for t in (k_cache, v_cache, k, v))
@@ -173,30 +177,47 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     v_cache[b, slot] = v
 
 
-def store_fp8(dst: torch.Tensor, dst_scale: torch.Tensor, x: torch.Tensor) -> None:
+def store_fp8(dst: torch.Tensor, dst_scale: torch.Tensor, x: torch.Tensor,
+              mean: torch.Tensor | None = None) -> None:
     """Write x [B, S, H, D] into an fp8 cache: dst, dst_scale = longctx.fp8.quantize_kv(x), dst
     [B, S, H, D] float8_e4m3fn (any strides: e.g. a key-major V, longctx.fp8) and dst_scale
-    [B, S, H] float32 being views of the cache and its scales (a prefill chunk's positions). On
+    [B, S, H] float32 being views of the cache and its scales (a prefill chunk's positions);
+    mean: None or contiguous [B, H, D] float32, subtracted first (longctx.fp8's smoothing). On
     CUDA one kernel reads x once and writes both."""
     if use_triton_for(x) and x.stride(-1) == 1:
         from longctx.kernels.fused import store_fp8 as kernel
 
-        kernel(dst, dst_scale, x)
+        kernel(dst, dst_scale, x, mean)
         return
-    x_fp8, scale = quantize_kv(x)
+    x_fp8, scale = quantize_kv(x, None if mean is None else mean[:, None])
     dst.copy_(x_fp8)
     dst_scale.copy_(scale)
 
 
-def dequantize_kv(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """longctx.fp8.dequantize_kv(x, scale, dtype): x [B, S, H, D] float8_e4m3fn (any strides),
-    scale [B, S, H] float32 -> contiguous [B, S, H, D] in dtype. On CUDA one kernel, bit for bit
+def dequantize_kv(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                  mean: torch.Tensor | None = None) -> torch.Tensor:
+    """longctx.fp8.dequantize_kv(x, scale, dtype, mean[:, None]): x [B, S, H, D]
+    float8_e4m3fn (any strides), scale [B, S, H] float32, mean None or contiguous [B, H, D]
+    float32 (smoothing) -> contiguous [B, S, H, D] in dtype. On CUDA one kernel, bit for bit
     the same, with no float32 temporaries."""
     if use_triton_for(x) and dtype != torch.float64:
         from longctx.kernels.fused import dequantize_fp8
 
-        return dequantize_fp8(x, scale, torch.empty(x.shape, dtype=dtype, device=x.device))
-    return fp8_dequantize_kv(x, scale, dtype)
+        return dequantize_fp8(x, scale, torch.empty(x.shape, dtype=dtype, device=x.device), mean)
+    return fp8_dequantize_kv(x, scale, dtype, None if mean is None else mean[:, None])
+
+
+def add_kv_means(o: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k_mean: torch.Tensor,
+                 v_mean: torch.Tensor, softmax_scale: float) -> None:
+    """longctx.fp8.add_kv_means(o, lse, q, k_mean, v_mean, softmax_scale), in place: a smoothed
+    fp8 history's means added to an attention state (o [B, S, Hq, D], lse [B, S, Hq] float32).
+    On CUDA one kernel reads o and q once (the torch rule makes float32 copies of both)."""
+    if use_triton_for(o) and o.stride(-1) == 1 and q.stride(-1) == 1:
+        from longctx.kernels.fused import add_kv_means as kernel
+
+        kernel(o, lse, q, k_mean, v_mean, softmax_scale)
+        return
+    fp8_add_kv_means(o, lse, q, k_mean, v_mean, softmax_scale)
 
 
 def _rope_store_kernel_takes(k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -213,7 +234,8 @@ def _rope_store_kernel_takes(k_cache: torch.Tensor, v_cache: torch.Tensor,
 def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                   sin: torch.Tensor, pos: torch.Tensor, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, slot: torch.Tensor, k_scale: torch.Tensor | None = None,
-                  v_scale: torch.Tensor | None = None) -> None:
+                  v_scale: torch.Tensor | None = None, k_mean: torch.Tensor | None = None,
+                  v_mean: torch.Tensor | None = None) -> None:
     """A decode step's RoPE and KV-cache store: `rope_` of q [B, Hq, D] and k [B, Hkv, D] in
     place at the positions pos [B] int64 (one token per sequence), then `store_kv` of k and
     v [B, Hkv, D] at slot [B] int64 of k_cache/v_cache [B, S_max, Hkv, D].
@@ -226,7 +248,8 @@ def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
     rotated k and v quantized (longctx.fp8.quantize_kv) with their scales, in the same kernel,
     for any strides (the model's: k_cache and the scales longctx.fp8.head_major, v_cache
     key-major, longctx.fp8.key_major_v) but for a unit stride in k_cache's head_dim and the
-    two scales' strides alike.
+    two scales' strides alike. k_mean / v_mean [B, Hkv, D] float32 (contiguous): an fp8
+    cache smoothed by them (longctx.fp8), subtracted from the rotated k and from v.
     """
     B, hkv, D = k.shape
     if q.dim() != 3 or q.shape[0] != B or q.shape[2] != D or v.shape != k.shape:
@@ -242,9 +265,9 @@ def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
             and _rope_store_kernel_takes(k_cache, v_cache, k_scale, v_scale):
         from longctx.kernels.fused import rope_store_kv as kernel
 
-        kernel(q, k, v, cos, sin, pos, k_cache, v_cache, slot, k_scale, v_scale)
+        kernel(q, k, v, cos, sin, pos, k_cache, v_cache, slot, k_scale, v_scale, k_mean, v_mean)
         return
     pos = pos[:, None]
     rope_(q[:, None], cos, sin, pos)
     rope_(k[:, None], cos, sin, pos)
-    store_kv(k_cache, v_cache, k, v, slot, k_scale, v_scale)
+    store_kv(k_cache, v_cache, k, v, slot, k_scale, v_scale, k_mean, v_mean)

@@ -32,6 +32,8 @@ def reference_attention(
     compute_dtype: torch.dtype | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    k_mean: torch.Tensor | None = None,
+    v_mean: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact softmax attention returning the state (O, LSE).
 
@@ -50,6 +52,8 @@ def reference_attention(
         k_scale, v_scale: for an fp8 cache (k, v float8_e4m3fn): float32 [B, Sk, Hkv] scales;
             k and v are dequantized first (longctx.fp8.dequantize_kv, in float32, or float64
             for float64 q), then attended as above.
+        k_mean, v_mean: with k_scale / v_scale, a smoothed cache's means [B, Hkv, D] float32,
+            added as k and v are dequantized (longctx.fp8).
 
     Returns:
         o [B, Sq, Hq, D] in q's dtype (compute_dtype if that is float64), and
@@ -63,7 +67,8 @@ def reference_attention(
     dt = compute_dtype or (torch.float64 if q.dtype == torch.float64 else torch.float32)
     if k_scale is not None:
         wide = torch.float64 if q.dtype == torch.float64 else torch.float32
-        k, v = dequantize_kv(k, k_scale, wide), dequantize_kv(v, v_scale, wide)
+        km, vm = (None, None) if k_mean is None else (k_mean[:, None], v_mean[:, None])
+        k, v = dequantize_kv(k, k_scale, wide, km), dequantize_kv(v, v_scale, wide, vm)
     sm_dt = torch.float32 if dt in (torch.float16, torch.bfloat16) else dt  # softmax dtype
     scale = softmax_scale if softmax_scale is not None else D**-0.5
     g = Hq // Hkv

@@ -16,12 +16,13 @@ from longctx.weights import ShardPlan, WeightSource, load_weights
 def build_model(args: ModelArgs, *, weights: WeightSource, device: torch.device | str,
                 dtype: torch.dtype, batch: int, max_seq_len: int,
                 mesh: DeviceMesh | None = None, all_reduce: str = "auto",
-                kv_cache_dtype: torch.dtype | None = None) -> Transformer:
+                kv_cache_dtype: torch.dtype | None = None, kv_smoothing: bool = True) -> Transformer:
     """A ready-to-run Transformer: weights in `dtype` on `device`, KV caches for `batch`
     sequences of up to `max_seq_len` positions. With a ("sp", "tp") mesh (ParallelDims.build_mesh)
     its tensor and sequence parallelism are applied before any weight is allocated; `all_reduce`
     picks tensor parallelism's sums (longctx.parallel.allreduce.make_all_reduce);
-    `kv_cache_dtype` the KV cache's dtype (None: `dtype`; torch.float8_e4m3fn: fp8 with scales)."""
+    `kv_cache_dtype` the KV cache's dtype (None: `dtype`; torch.float8_e4m3fn: fp8 with scales,
+    smoothed unless `kv_smoothing` is False: Transformer.setup_caches)."""
     with torch.device("meta"):
         model = Transformer(args)
     model.to(dtype)
@@ -34,5 +35,5 @@ def build_model(args: ModelArgs, *, weights: WeightSource, device: torch.device 
     model.to_empty(device=device)
     load_weights(model, weights, plan)
     model.requires_grad_(False).eval()
-    model.setup_caches(batch, max_seq_len, kv_cache_dtype)
+    model.setup_caches(batch, max_seq_len, kv_cache_dtype, kv_smoothing)
     return model

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from longctx.config import check_chunk
+from longctx.fp8 import kv_means
 from longctx.merge import merge_states, merge_states_group
 from longctx.model import KVCache, Transformer, chunk_spans
 from longctx.ops import dequantize_kv
@@ -44,11 +45,11 @@ class SequenceParallelKVCache(KVCache):
     """
 
     def __init__(self, batch: int, max_seq_len: int, n_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, *, group) -> None:
+                 dtype: torch.dtype, device: torch.device, *, group, smooth: bool = True) -> None:
         self.group = group
         self.sp, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.capacity = -(-max_seq_len // self.sp)  # slots for owned positions
-        super().__init__(batch, self.capacity + 1, n_kv_heads, head_dim, dtype, device)
+        super().__init__(batch, self.capacity + 1, n_kv_heads, head_dim, dtype, device, smooth)
 
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 input_pos: torch.Tensor) -> torch.Tensor:
@@ -73,8 +74,10 @@ class SequenceParallelKVCache(KVCache):
             # The ring's K/V travel in the model's dtype, as the fp8 cache holds them (dequantized):
             # the chunk then attends to the keys one process would read from its cache.
             end = off + s_local
-            k = dequantize_kv(self.k_cache[:, off:end], self.k_scale[:, off:end], k.dtype)
-            v = dequantize_kv(self.v_cache[:, off:end], self.v_scale[:, off:end], v.dtype)
+            k = dequantize_kv(self.k_cache[:, off:end], self.k_scale[:, off:end], k.dtype,
+                              self.k_mean)
+            v = dequantize_kv(self.v_cache[:, off:end], self.v_scale[:, off:end], v.dtype,
+                              self.v_mean)
         if off == 0:  # the first chunk: nothing cached before it
             return ring_attention(q, k, v, group=self.group, causal=True, layout=LAYOUT)
         o, lse = ring_attention(q, k, v, group=self.group, causal=True, layout=LAYOUT,
@@ -83,6 +86,16 @@ class SequenceParallelKVCache(KVCache):
         o_parts[0] = o  # part 0 is this rank's own (a); parts 1..sp the cached shards (b)
         lse_parts[0] = lse
         return merge_states(o_parts, lse_parts, check=False)[0]
+
+    def take_means(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The smoothing means of the whole first chunk, of which k/v are this rank's zigzag
+        shard: the float64 sums all-reduced over the sp group, so that every rank smooths (and
+        quantizes) as one process would."""
+        sums = torch.stack([k.double().sum(dim=1), v.double().sum(dim=1)])
+        dist.all_reduce(sums, group=self.group)
+        n = k.shape[1] * self.sp
+        self.k_mean.copy_(kv_means(k, sums[0], n))
+        self.v_mean.copy_(kv_means(v, sums[1], n))
 
     def _attend_cached(self, q: torch.Tensor, off: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The states of this rank's chunk queries q [B, s, Hq, D] over every rank's cached

@@ -1,9 +1,6 @@
 """A float32 KV cache that holds what a cache of another format would give back: bfloat16, or e4m3
 with static scales (one per tensor or per KV head, calibrated on the first prefill chunk and
-saturating later), or longctx's own e4m3 rule (a scale per token and KV head) on K or V alone, or
-that rule on the entries less their mean per (KV head, channel) over the first prefill chunk,
-added back after ("smooth": smoothing that longctx does not implement; for K the mean is a
-constant per query row of the scores, which softmax removes, for V one per output).
+saturating later), or longctx's own e4m3 rule (a scale per token and KV head) on K or V alone.
 The yardsticks of the fp8 cache's error (tests/test_fp8_kv.py, bench/fp8_kv_error.py): formats
 longctx does not store, emulated on the float32 model."""
 
@@ -16,7 +13,7 @@ from longctx.fp8 import dequantize_kv, quantize_fp8, quantize_kv
 from longctx.model import KVCache
 from longctx.ops import rope_store_kv
 
-FORMATS = ("none", "bf16", "tensor", "head", "row", "smooth")  # row: longctx.fp8.quantize_kv's
+FORMATS = ("none", "bf16", "tensor", "head", "row")  # row: longctx.fp8.quantize_kv's
 
 
 def fake_quant(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
@@ -37,12 +34,12 @@ class RoundedKVCache(KVCache):
     or K's to fmt[0] and V's to fmt[1]. Use as `model.make_cache = functools.partial(
     RoundedKVCache, fmt=...)` before setup_caches."""
 
-    def __init__(self, *args, fmt: str | tuple[str, str]) -> None:
-        super().__init__(*args)
+    def __init__(self, *args, fmt: str | tuple[str, str], smooth: bool = True) -> None:
+        super().__init__(*args)  # a float32 cache: `smooth` is for fp8 ones
         self.fmt = (fmt, fmt) if isinstance(fmt, str) else tuple(fmt)
         if len(self.fmt) != 2 or any(f not in FORMATS for f in self.fmt):
             raise ValueError(f"fmt must be one of {FORMATS} or a (K, V) pair of them, got {fmt!r}")
-        self.amax = self.mean = None
+        self.amax = None
 
     def _round(self, x: torch.Tensor, i: int) -> torch.Tensor:
         fmt = self.fmt[i]
@@ -52,15 +49,12 @@ class RoundedKVCache(KVCache):
             return x.to(torch.bfloat16).to(x.dtype)
         if fmt == "row":
             return dequantize_kv(*quantize_kv(x), x.dtype)
-        if fmt == "smooth":
-            return dequantize_kv(*quantize_kv(x - self.mean[i]), x.dtype) + self.mean[i]
         return fake_quant(x, self.amax[i]).to(x.dtype)
 
     def store(self, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         if self.amax is None:  # static scales: the first chunk's (used by "tensor" / "head")
             self.amax = tuple(static_amax(x, f if f in ("tensor", "head") else "tensor")
                               for x, f in zip((k, v), self.fmt))
-            self.mean = tuple(x.float().mean(dim=(0, 1), keepdim=True) for x in (k, v))
         super().store(start, self._round(k, 0), self._round(v, 1))
 
     def decode(self, q, k, v, step, rope, return_lse=False):

@@ -90,6 +90,7 @@ def test_long_context_presets_have_the_published_hyperparameters(name, shape, bi
     ("prefill_chunk=-8", r"prefill_chunk must be a positive integer .*null / 0 .*got -8"),
     ("prefill_chunk=1.5", r"prefill_chunk must be a positive integer .*got 1.5"),
     ("prefill_chunk=true", r"prefill_chunk must be a positive integer .*got True"),
+    ("kv_cache_smoothing=yes", r"kv_cache_smoothing must be true or false, got 'yes'"),
 ])
 def test_bad_run_config(override, match):
     with pytest.raises(ValueError, match=match):

@@ -361,7 +361,7 @@ def run_fused_merge(case, num_splits, dtype):
     for _ in range(2):  # the second launch finds the counters zero again
         o, lse = torch.full_like(o_sep, float("nan")), torch.full_like(lse_sep, float("nan"))
         launch.generic(q, k, v, sl, sl if bt is None else bt, o_part, lse_part, o, lse, counters,
-                       lse, lse)  # (k_scale, v_scale: unused without an fp8 cache)
+                       lse, lse, lse, lse)  # (scales and means: unused without an fp8 cache)
         assert not counters.any()
         torch.testing.assert_close(o, o_sep)  # dtype-dependent tolerances: a rounding or two
         torch.testing.assert_close(lse, lse_sep, atol=1e-6, rtol=1e-6)

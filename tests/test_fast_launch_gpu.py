@@ -107,9 +107,10 @@ def test_decode_fast_is_generic(dtype, paged, with_lens, num_splits, q4d):
     lse_part = torch.empty(plan.num_splits, B, Hq, device="cuda")
     fused = not one and plan.merge is None  # the split kernel merges (o, lse and counters used)
     counters = torch.zeros(max(plan.counters, 1), dtype=torch.int32, device="cuda")
-    # (the last two: an fp8 cache's scales; any aligned float32 pointer for this cache)
+    # (the last four: an fp8 cache's scales and smoothing means; any aligned float32 pointer
+    # for this cache)
     _assert_tritons_binary(plan.split, q, k, v, sl, bt, o_part, lse_part,
-                           o if fused or one else o_part, lse, counters, lse, lse)
+                           o if fused or one else o_part, lse, counters, lse, lse, lse, lse)
     if plan.merge is not None:
         _assert_tritons_binary(plan.merge, o_part, lse_part, o, lse)
 

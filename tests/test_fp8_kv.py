@@ -951,21 +951,34 @@ def _fp8_layouts_match_one_process(rank, world):
     P, B = 13, 2
     prompt = torch.randint(0, 128, (B, P), generator=torch.Generator().manual_seed(1))
 
-    def build(mesh):
+    def build(mesh, smooth=True):
         return build_model(args, weights=RandomWeights(seed=3), device="cpu", dtype=torch.float32,
-                           batch=B, max_seq_len=P + 4, mesh=mesh, kv_cache_dtype=FP8)
+                           batch=B, max_seq_len=P + 4, mesh=mesh, kv_cache_dtype=FP8,
+                           kv_smoothing=smooth)
 
     ref = build(None)
     assert ref.layers[0].self_attn.kv_cache.k_cache.dtype == FP8
-    for tp, sp, chunk in ((2, 1, 5), (1, 2, None), (1, 2, 4)):
-        par = build(ParallelDims(tp, sp, world).build_mesh("cpu"))
+    for tp, sp, chunk, smooth in ((2, 1, 5, True), (1, 2, None, True), (1, 2, 4, True),
+                                  (1, 2, None, False)):
+        par = build(ParallelDims(tp, sp, world).build_mesh("cpu"), smooth)
         cache = par.layers[0].self_attn.kv_cache
         assert cache.k_cache.dtype == FP8 and cache.k_scale.shape == cache.k_cache.shape[:3]
-        ref.setup_caches(B, P + 4, FP8)
+        assert (cache.k_mean is not None) == smooth
+        ref.setup_caches(B, P + 4, FP8, kv_smoothing=smooth)
+        # A smoothed cache takes its means from the first prefill chunk. sp's whole-prompt
+        # prefill runs the positions the zigzag layout splits evenly (P - P % 2sp) as one chunk
+        # and the rest as decode steps, so one process runs that same first chunk.
+        ref_chunk = P - P % (2 * sp) if chunk is None and sp > 1 and smooth else chunk
         with torch.no_grad():
             pos = torch.arange(P)
             torch.testing.assert_close(full_logits(par, par.prefill(prompt, pos, chunk=chunk)),
-                                       ref.prefill(prompt, pos, chunk=chunk), rtol=1e-5, atol=1e-5)
+                                       ref.prefill(prompt, pos, chunk=ref_chunk), rtol=1e-5,
+                                       atol=1e-5)
+            if smooth:  # every rank: the whole first chunk's means of its KV heads
+                h = cache.k_mean.shape[1]
+                r = torch.distributed.get_rank() if tp > 1 else 0
+                want = ref.layers[0].self_attn.kv_cache.v_mean[:, r * h:(r + 1) * h]
+                assert torch.equal(cache.v_mean, want)
             for i in range(3):
                 tok, p = prompt[:, i], torch.full((B,), P + i)
                 torch.testing.assert_close(full_logits(par, par.decode_step(tok, p)),
