@@ -67,38 +67,37 @@ def dequantize_kv(x_fp8: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype =
     return (x_fp8.to(wide) * scale[..., None].to(wide)).to(dtype).contiguous()
 
 
-def kv_means(x: torch.Tensor, sums: torch.Tensor | None = None, count: int | None = None
-             ) -> torch.Tensor:
+def kv_means(x: torch.Tensor, group=None) -> torch.Tensor:
     """The smoothing means of a chunk x [B, S, Hkv, D] (rotated K, or V): its mean over the
     chunk's S positions, [B, Hkv, D] float32 (zeros for an empty chunk). Summed in float64, so
-    the order of the sum leaves no trace once rounded to float32: a chunk sharded over ranks
-    passes the all-reduced `sums` (float64 [B, Hkv, D]) and the whole chunk's `count`, and gets
-    one process's means."""
-    if sums is None:
-        sums, count = x.double().sum(dim=1), x.shape[1]
+    the order of the sum leaves no trace once rounded to float32. group: x is this rank's share
+    of a chunk split over a torch.distributed group (the same number of positions on each
+    rank); the sums are all-reduced over it, so every rank gets one process's means."""
+    sums, count = x.double().sum(dim=1), x.shape[1]
+    if group is not None:
+        import torch.distributed as dist
+
+        dist.all_reduce(sums, group=group)
+        count *= dist.get_world_size(group)
     return (sums / max(count, 1)).float()
 
 
 def add_kv_means(o: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k_mean: torch.Tensor,
-                 v_mean: torch.Tensor, softmax_scale: float, rows: int = 1024) -> None:
+                 v_mean: torch.Tensor, softmax_scale: float) -> None:
     """In place: the attention state (o [B, Sq, Hq, D], lse [B, Sq, Hq] float32) over keys k
     and values v becomes the state over k + k_mean and v + v_mean (k_mean, v_mean [B, Hkv, D]
     float32, KV head h // (Hq / Hkv) for query head h; q [B, Sq, Hq, D] the queries): lse +=
     softmax_scale q.k_mean and o += v_mean, in float32 (float64 for a float64 o), for rows that
-    see a key (lse > -inf; empty rows stay o = 0, lse = -inf). `rows` query positions at a time
-    bound the float32 temporaries."""
+    see a key (lse > -inf; empty rows stay o = 0, lse = -inf). The rule and the CPU path
+    (longctx.ops.add_kv_means runs one kernel on CUDA)."""
     B, S, Hq, D = o.shape
     hkv = k_mean.shape[1]
     wide = torch.float64 if o.dtype == torch.float64 else torch.float32
     km, vm = (m[:, None, :, None].to(wide) for m in (k_mean, v_mean))  # [B, 1, Hkv, 1, D]
-    for s0 in range(0, S, rows):
-        sl = slice(s0, min(S, s0 + rows))
-        lse_s, o_s = lse[:, sl], o[:, sl]
-        seen = (lse_s != float("-inf")).view(B, -1, hkv, Hq // hkv, 1)
-        o_new = o_s.to(wide).view(B, -1, hkv, Hq // hkv, D) + vm
-        o_s.copy_(torch.where(seen, o_new, 0.0).view(o_s.shape))
-        q_km = (q[:, sl].to(wide).view(B, -1, hkv, Hq // hkv, D) * km).sum(-1)
-        lse_s.add_((q_km * softmax_scale).view(lse_s.shape))
+    groups = (B, S, hkv, Hq // hkv)
+    seen = (lse != float("-inf")).reshape(*groups, 1)
+    o.copy_(torch.where(seen, o.to(wide).reshape(*groups, D) + vm, 0.0).reshape(o.shape))
+    lse.add_(((q.to(wide).reshape(*groups, D) * km).sum(-1) * softmax_scale).reshape(lse.shape))
 
 
 def check_kv_means(k_mean: object, v_mean: object, fp8: bool, batch: int, k_cache: torch.Tensor,

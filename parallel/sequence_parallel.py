@@ -89,13 +89,10 @@ class SequenceParallelKVCache(KVCache):
 
     def take_means(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """The smoothing means of the whole first chunk, of which k/v are this rank's zigzag
-        shard: the float64 sums all-reduced over the sp group, so that every rank smooths (and
+        shard (its sums all-reduced over the sp group), so that every rank smooths (and
         quantizes) as one process would."""
-        sums = torch.stack([k.double().sum(dim=1), v.double().sum(dim=1)])
-        dist.all_reduce(sums, group=self.group)
-        n = k.shape[1] * self.sp
-        self.k_mean.copy_(kv_means(k, sums[0], n))
-        self.v_mean.copy_(kv_means(v, sums[1], n))
+        self.k_mean.copy_(kv_means(k, self.group))
+        self.v_mean.copy_(kv_means(v, self.group))
 
     def _attend_cached(self, q: torch.Tensor, off: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The states of this rank's chunk queries q [B, s, Hq, D] over every rank's cached
