@@ -241,7 +241,7 @@ def run(cfg: DictConfig, device: torch.device, rank: int, world: int, run_dir: P
     available = int(cfg.memory_gb * GiB) if cfg.memory_gb is not None else available_memory(device)
     where = f"{device} (memory_gb={cfg.memory_gb})" if cfg.memory_gb is not None else str(device)
     plan = dict(batch=B, dtype=dtype, device_type=device.type, prefill_chunk=chunk,
-                kv_cache_dtype=kv_dtype)
+                kv_cache_dtype=kv_dtype, kv_smoothing=info["kv_cache_smoothing"])
     largest = largest_context(args, tp=dims.tp, sp=dims.sp, available=available,
                               gen_len=cfg.gen_len, synthetic=synthetic, **plan)
     info["largest_context_len"] = largest
@@ -255,7 +255,7 @@ def run(cfg: DictConfig, device: torch.device, rank: int, world: int, run_dir: P
     model = build_model(args, weights=ckpt or RandomWeights(cfg.seed), device=device, dtype=dtype,
                         batch=B, max_seq_len=max_seq_len, mesh=dims.build_mesh(device.type),
                         all_reduce=cfg.parallel.all_reduce, kv_cache_dtype=kv_dtype,
-                        kv_smoothing=bool(cfg.get("kv_cache_smoothing", True)))
+                        kv_smoothing=info["kv_cache_smoothing"])
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)

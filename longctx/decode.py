@@ -9,7 +9,9 @@ from longctx.checks import (
     check_dtype, check_flag, check_gqa, check_head_dim, check_optional_int, check_same,
     check_softmax_scale, check_tensor,
 )
-from longctx.fp8 import FP8, check_key_major, check_kv_means, check_kv_scales, is_key_major
+from longctx.fp8 import (
+    FP8, check_key_major, check_kv_means, check_kv_scales, check_page_size, is_key_major,
+)
 from longctx.reference import reference_attention
 
 
@@ -60,9 +62,7 @@ def _check_decode_args(q, k_cache, v_cache, cache_seqlens, block_table, num_spli
                              f"strides {block_table.stride()}")
         if block_table.device != q.device:
             raise ValueError(f"block_table is on {block_table.device} but q is on {q.device}")
-        page = k_cache.shape[1]
-        if page < 16 or page & (page - 1):
-            raise ValueError(f"paged k_cache: page_size (dim 1) must be a power of two >= 16, got {page}")
+        check_page_size(k_cache.shape[1], "k_cache")
     elif k_cache.shape[0] != B:
         raise ValueError(f"k_cache has batch {k_cache.shape[0]} but q has batch {B}")
     if cache_seqlens is not None:

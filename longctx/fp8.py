@@ -180,12 +180,21 @@ def _keys_padded(S: int, align: int = KEY_MAJOR_ALIGN) -> int:
     return -(-max(S, 1) // align) * align
 
 
+def check_page_size(page: int, name: str) -> None:
+    """A paged cache's page_size (dim 1 of `name`): a power of two >= 16, the decode kernel's
+    smallest key block (and a key-major page's row alignment, KEY_MAJOR_ALIGN)."""
+    if page < KEY_MAJOR_ALIGN or page & (page - 1):
+        raise ValueError(f"paged {name}: page_size (dim 1) must be a power of two >= "
+                         f"{KEY_MAJOR_ALIGN}, got {page}")
+
+
 def _rows(S: int, paged: bool) -> int:
-    """Positions a row of a key-major or head-major tensor holds: a page's page_size (a power of
-    two >= 16 for a paged cache, kept as is), else S padded to KEY_MAJOR_ROW_ALIGN."""
-    if paged and (S < KEY_MAJOR_ALIGN or S & (S - 1)):
-        raise ValueError(f"a paged cache's page_size (dim 1) must be a power of two >= 16, got {S}")
-    return S if paged else _keys_padded(S, KEY_MAJOR_ROW_ALIGN)
+    """Positions a row of a key-major or head-major tensor holds: a page's page_size (checked,
+    kept as is) for a paged cache, else S padded to KEY_MAJOR_ROW_ALIGN."""
+    if paged:
+        check_page_size(S, "cache")
+        return S
+    return _keys_padded(S, KEY_MAJOR_ROW_ALIGN)
 
 
 def key_major_v(shape: tuple[int, int, int, int], device: torch.device | str,

@@ -26,7 +26,8 @@ class MemoryEstimate:
     """Bytes per device."""
 
     weights: int  # q/k/v biases (Qwen2) included
-    kv_cache: int  # K and V of every layer (this rank's heads and positions, scratch slot included)
+    kv_cache: int  # K and V of every layer (this rank's heads and positions, scratch slot
+    # included; an fp8 cache's scales, and its smoothing means)
     rope: int  # the RoPE cos/sin tables, float32 [max_seq_len, head_dim] each
     activations: int  # the largest prefill call's live tensors (or a decode step's, or the
     # rebuild of the RoPE tables under dynamic NTK scaling), logits
@@ -45,12 +46,14 @@ class MemoryEstimate:
 def estimate_memory(args: ModelArgs, *, tp: int, sp: int, batch: int, prompt_len: int,
                     max_seq_len: int, dtype: torch.dtype, device_type: str,
                     prefill_chunk: int | None = None,
-                    kv_cache_dtype: torch.dtype | None = None) -> MemoryEstimate:
+                    kv_cache_dtype: torch.dtype | None = None,
+                    kv_smoothing: bool = True) -> MemoryEstimate:
     """Memory per device of a tp x sp decode run with caches for max_seq_len positions, after a
     prefill of prompt_len positions in chunks of prefill_chunk (None: the whole prompt in one
     call; prompt_len 0: no prefill, as with a synthetic cache). The KV cache is in
     kv_cache_dtype (None: dtype; fp8: 1 byte per element plus a float32 scale per token and KV
-    head, longctx.fp8).
+    head, longctx.fp8, and unless kv_smoothing is False the float32 means of K and V per
+    sequence, KV head and channel: model.KVCache).
 
     Activations are those of the largest prefill call: batch x L / sp positions per rank, with L
     = min(prompt_len, prefill_chunk). Under sp, ring attention adds K/V shard buffers and a
@@ -71,6 +74,8 @@ def estimate_memory(args: ModelArgs, *, tp: int, sp: int, batch: int, prompt_len
     slots = max_seq_len if sp == 1 else -(-max_seq_len // sp) + 1  # + the scratch slot
     kv = int(2 * args.n_layers * batch * slots * hkv * D
              * kv_bytes_per_element(kv_cache_dtype or dtype, D))
+    if kv_cache_dtype == FP8 and kv_smoothing:
+        kv += 2 * args.n_layers * batch * hkv * D * 4  # k_mean, v_mean [B, Hkv, D] float32
     rope = 2 * max_seq_len * D * 4
     # Dynamic NTK scaling rebuilds them before a prefill beyond its original length
     # (Transformer.rope_for_prompt): float32 angles and the new cos/sin beside the tables in
@@ -113,7 +118,7 @@ def estimate_memory(args: ModelArgs, *, tp: int, sp: int, batch: int, prompt_len
 def largest_context(args: ModelArgs, *, tp: int, sp: int, available: int, batch: int,
                     gen_len: int, dtype: torch.dtype, device_type: str,
                     prefill_chunk: int | None = None, synthetic: bool = False,
-                    kv_cache_dtype: torch.dtype | None = None) -> int:
+                    kv_cache_dtype: torch.dtype | None = None, kv_smoothing: bool = True) -> int:
     """The largest context_len (prompt positions per sequence, gen_len more decoded) whose
     `estimate_memory` fits in `available` bytes per device with this layout: a prefill of
     context_len positions in chunks of prefill_chunk, or none when `synthetic`. 0 if none fits.
@@ -121,7 +126,8 @@ def largest_context(args: ModelArgs, *, tp: int, sp: int, available: int, batch:
     def fits(n: int) -> bool:
         est = estimate_memory(args, tp=tp, sp=sp, batch=batch, prompt_len=0 if synthetic else n,
                               max_seq_len=n + gen_len, dtype=dtype, device_type=device_type,
-                              prefill_chunk=prefill_chunk, kv_cache_dtype=kv_cache_dtype)
+                              prefill_chunk=prefill_chunk, kv_cache_dtype=kv_cache_dtype,
+                              kv_smoothing=kv_smoothing)
         return est.total <= available
 
     lo, hi = 0, 1  # fits(lo) or lo == 0; find hi that does not fit, then bisect

@@ -219,6 +219,16 @@ def test_paged_decode_without_lengths_checks_every_page_of_the_capacity():
                                longctx.decode(q, pages, pages, block_table=table, cache_seqlens=full))
 
 
+def test_paged_decode_refuses_a_page_size_that_is_not_a_power_of_two_from_16():
+    q = torch.randn(2, 4, 32)
+    table = torch.tensor([[0], [1]], dtype=torch.int32)
+    for page in (24, 8):
+        pages = torch.randn(2, page, 2, 32)
+        with pytest.raises(ValueError, match=rf"paged k_cache: page_size \(dim 1\) must be a "
+                                             rf"power of two >= 16, got {page}"):
+            longctx.decode(q, pages, pages, block_table=table)
+
+
 def test_merge_rejects_bad_check_and_non_tensors():
     o, lse = torch.randn(3, 2, 4, 8), torch.randn(3, 2, 4)
     for bad in ("yes", 1, []):

@@ -830,13 +830,16 @@ def test_kv_cache_dtype_config_and_memory():
         cfg = OmegaConf.to_container(compose("decode", overrides=["kv_cache_dtype=fp8"]))
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         check_decode_config(cfg)
-    # CodeLlama-34B at tp=2: the fp8 cache is (1 + 4/128) / 2 of bf16's bytes.
+    # CodeLlama-34B at tp=2: the fp8 cache is (1 + 4/128) / 2 of bf16's bytes, plus the
+    # smoothing means: K's and V's [1, 4, 128] float32 a layer.
     args = ModelArgs(name="cl34", n_layers=48, dim=8192, n_heads=64, n_kv_heads=8, head_dim=128,
                      intermediate_size=22016, vocab_size=32000)
     kw = dict(tp=2, sp=1, batch=1, prompt_len=0, max_seq_len=1 << 20, dtype=torch.bfloat16,
               device_type="cuda")
     bf16, fp8 = estimate_memory(args, **kw), estimate_memory(args, **kw, kv_cache_dtype=FP8)
-    assert fp8.kv_cache == bf16.kv_cache * (1 + 4 / 128) / 2
+    plain = estimate_memory(args, **kw, kv_cache_dtype=FP8, kv_smoothing=False)
+    assert plain.kv_cache == bf16.kv_cache * (1 + 4 / 128) / 2
+    assert fp8.kv_cache == plain.kv_cache + 48 * 2 * 4 * 128 * 4
     assert fp8.weights == bf16.weights
     h200 = int(139.8 * 2**30)
     big = dict(tp=2, sp=1, available=h200, batch=1, gen_len=64, dtype=torch.bfloat16,
@@ -855,6 +858,23 @@ def test_kv_cache_dtype_config_and_memory():
         grow = (estimate_memory(args, **real, kv_cache_dtype=FP8).activations
                 - estimate_memory(args, **real).activations)
         assert grow >= least and (grow > 0) == (device_type == "cuda"), (device_type, grow)
+
+
+@pytest.mark.parametrize("kv_dtype,smooth", [(None, True), (FP8, False), (FP8, True)])
+def test_memory_estimate_counts_every_cache_byte_the_model_allocates(kv_dtype, smooth):
+    """estimate_memory's kv_cache is the bytes of every layer's cache buffers (K, V, an fp8
+    cache's scales and smoothing means), at a length the key-major rows need no padding for."""
+    args = ModelArgs(name="t", n_layers=3, dim=64, n_heads=6, n_kv_heads=2, head_dim=16,
+                     intermediate_size=96, vocab_size=128)
+    m = Transformer(args)
+    B, S = 3, 256
+    m.setup_caches(B, S, kv_cache_dtype=kv_dtype, kv_smoothing=smooth)
+    held = sum(b.untyped_storage().nbytes() for layer in m.layers
+               for b in layer.self_attn.kv_cache.buffers())
+    est = estimate_memory(args, tp=1, sp=1, batch=B, prompt_len=0, max_seq_len=S,
+                          dtype=torch.float32, device_type="cpu", kv_cache_dtype=kv_dtype,
+                          kv_smoothing=smooth)
+    assert est.kv_cache == held
 
 
 def test_model_fp8_cache_prefill_decode_and_synthetic_fill():
